@@ -1,0 +1,49 @@
+# One entry point per job. `make run` and `make test` install what is missing
+# first, so a fresh machine needs nothing else.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+CONFIG ?= pipelines/configs/demo.yaml
+PORT   ?= 8000
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast run serve bench lint format ui kfp clean
+
+install: $(STAMP)
+
+# Re-install when the dependency list or pins change; otherwise a no-op.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip check
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q tests/unit
+
+run: install
+	$(BIN)/star-elastic run $(CONFIG)
+
+serve: install
+	$(BIN)/star-elastic serve $(or $(MODEL),runs/demo/latest) --port $(PORT)
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --port 5000
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

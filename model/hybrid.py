@@ -1,0 +1,195 @@
+"""The hybrid Mamba2 / attention / MoE causal language model (nemotron_h layout).
+
+``HybridLM.model.layers[i]`` is ``x = x + mixer(RMSNorm(x))`` with the mixer chosen
+by the pattern character; then ``model.norm_f`` and an untied ``lm_head``.
+Parameter names equal transformers' ``NemotronHForCausalLM`` state dict, so
+checkpoints move between the two without renaming (see :mod:`model.checkpoint`).
+
+Every forward optionally takes a :class:`~model.masks.ModelMask`: the full model
+then computes the nested sub-model the masks describe (exactly, for hard masks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from model.attention import Attention
+from model.cache import HybridCache, empty_cache
+from model.config import HybridConfig
+from model.mamba import Mamba2Mixer
+from model.masks import LayerMask, ModelMask, active_fraction
+from model.mlp import MLP
+from model.moe import MoE
+from model.norms import RMSNorm
+
+
+@dataclass
+class CausalLMOutput:
+    """``logits`` (batch, seq, vocab); ``cache`` when decoding; ``hidden`` (batch, seq, hidden) if asked."""
+
+    logits: Tensor
+    cache: HybridCache | None = None
+    hidden: Tensor | None = None
+
+
+class Block(nn.Module):
+    """Pre-norm residual block around one mixer."""
+
+    def __init__(self, config: HybridConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        if kind == "mamba":
+            self.mixer: nn.Module = Mamba2Mixer(config)
+        elif kind == "attention":
+            self.mixer = Attention(config)
+        elif kind == "moe":
+            self.mixer = MoE(config)
+        elif kind == "mlp":
+            self.mixer = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        else:  # pragma: no cover - the config validator rejects other kinds
+            raise ValueError(f"unknown layer kind {kind!r}")
+
+    def forward(
+        self,
+        x: Tensor,
+        cache: HybridCache | None,
+        index: int,
+        use_cache: bool,
+        hidden_mask: Tensor | None,
+        hidden_fraction: Tensor | None,
+        lmask: LayerMask | None,
+    ) -> Tensor:
+        """x: (batch, seq, hidden) -> same."""
+        h = self.norm(x.to(self.norm.weight.dtype), hidden_fraction)
+        lm = lmask or LayerMask()
+        if self.kind in ("mamba", "attention"):
+            head_mask = lm.mamba_heads if self.kind == "mamba" else lm.attn_heads
+            layer_cache = cache[index] if cache is not None else None
+            h, new = self.mixer(h, layer_cache, use_cache or cache is not None, head_mask)
+            if cache is not None:
+                cache[index] = new
+        elif self.kind == "moe":
+            h = self.mixer(h, lm.experts, lm.ffn, lm.shared_ffn)
+        else:
+            h = self.mixer(h, lm.ffn)
+        if hidden_mask is not None:
+            h = h * hidden_mask.to(h.dtype)
+        if lm.keep is not None:
+            h = h * lm.keep.to(h.dtype)
+        return x + h.to(x.dtype)
+
+
+class Backbone(nn.Module):
+    """Embeddings, blocks and the final norm (``model.`` in the nemotron_h state dict)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, kind) for kind in config.layer_kinds)
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class HybridLM(nn.Module):
+    """Causal LM. ``forward(input_ids)`` -> :class:`CausalLMOutput` with ``logits`` (batch, seq, vocab)."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------ construction
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> HybridLM:
+        """nemotron_h's initialisation, deterministic by ``seed``."""
+        g = torch.Generator().manual_seed(seed)
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=g) * std)
+            elif isinstance(module, nn.Conv1d):
+                bound = 1.0 / math.sqrt(module.weight.shape[-1])
+                module.weight.copy_((torch.rand(module.weight.shape, generator=g) * 2 - 1) * bound)
+                if module.bias is not None:
+                    module.bias.copy_((torch.rand(module.bias.shape, generator=g) * 2 - 1) * bound)
+        for block in self.model.layers:
+            mixer = block.mixer
+            if isinstance(mixer, Mamba2Mixer):
+                mixer.reset_parameters(self.config, g)
+                mixer.A_log.copy_(torch.log(torch.arange(1, mixer.num_heads + 1, dtype=torch.float32)))
+                mixer.D.fill_(1.0)
+                # GPT-2 style residual scaling of the output projection
+                w = mixer.out_proj.weight
+                bound = 1.0 / math.sqrt(w.shape[1])
+                w.copy_((torch.rand(w.shape, generator=g) * 2 - 1) * bound / math.sqrt(len(self.model.layers)))
+            elif isinstance(mixer, MoE):
+                mixer.experts.up_proj.copy_(torch.randn(mixer.experts.up_proj.shape, generator=g) * std)
+                mixer.experts.down_proj.copy_(torch.randn(mixer.experts.down_proj.shape, generator=g) * std)
+                mixer.gate.e_score_correction_bias.zero_()
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+        """Load a nemotron_h checkpoint folder (safetensors + config.json). See :mod:`model.checkpoint`."""
+        from model.checkpoint import load_model
+
+        return load_model(path, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> Path:
+        """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`."""
+        from model.checkpoint import save_model
+
+        return save_model(self, path, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: HybridCache | None = None,
+        use_cache: bool = False,
+        mask: ModelMask | None = None,
+        logits_to_keep: int = 0,
+        return_hidden: bool = False,
+    ) -> CausalLMOutput:
+        """input_ids: (batch, seq) long.
+
+        ``use_cache=True`` (or passing ``cache``) returns the updated :class:`HybridCache`;
+        ``logits_to_keep=n`` computes logits for the last n positions only (0: all).
+        """
+        if use_cache and cache is None:
+            cache = empty_cache(len(self.model.layers))
+        x = self.model.embeddings(input_ids)
+        hidden_mask = mask.hidden if mask is not None else None
+        fraction = active_fraction(hidden_mask)
+        if hidden_mask is not None:
+            x = x * hidden_mask.to(x.dtype)
+        if self.config.residual_in_fp32:
+            x = x.float()
+        for i, block in enumerate(self.model.layers):
+            lmask = mask.layer(i) if mask is not None else None
+            x = block(x, cache, i, use_cache, hidden_mask, fraction, lmask)
+        if cache is not None:
+            cache.seen_tokens += input_ids.shape[1]
+        h = self.model.norm_f(x.to(self.model.norm_f.weight.dtype), fraction)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        return CausalLMOutput(logits=logits, cache=cache, hidden=h if return_hidden else None)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device

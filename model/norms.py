@@ -1,0 +1,58 @@
+"""RMS norms of the nemotron_h family, with the exact correction for masked channels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, cast back to the input dtype.
+
+    With ``fraction`` = p (the alive share of channels, the rest being exact zeros),
+    the result equals the norm of the sliced vector: eps becomes ``eps * p`` and the
+    output is multiplied by ``sqrt(p)``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor, fraction: Tensor | None = None) -> Tensor:
+        """x: (..., hidden) -> (..., hidden)."""
+        dtype = x.dtype
+        h = x.float()
+        var = h.pow(2).mean(-1, keepdim=True)
+        if fraction is None:
+            h = h * torch.rsqrt(var + self.eps)
+        else:
+            h = h * torch.rsqrt(var + self.eps * fraction) * fraction.sqrt()
+        return (self.weight.float() * h).to(dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """Mamba2's gated norm: RMS-normalise ``y * silu(z)`` per group of ``group_size`` channels.
+
+    ``fraction`` is the alive share of heads in every group (the same k per group).
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: Tensor, z: Tensor, fraction: Tensor | None = None) -> Tensor:
+        """y, z: (..., d_inner) -> (..., d_inner)."""
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        shape = h.shape
+        h = h.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        var = h.pow(2).mean(-1, keepdim=True)
+        if fraction is None:
+            h = h * torch.rsqrt(var + self.eps)
+        else:
+            h = h * torch.rsqrt(var + self.eps * fraction) * fraction.sqrt()
+        return self.weight * h.view(shape).to(dtype)
