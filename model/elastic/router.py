@@ -1,0 +1,286 @@
+"""The budget router: budget one-hot in, a distribution over candidate sizes per elastic axis out.
+
+Design choices:
+
+* One small bias-free MLP per elastic axis, ``Linear(n_budgets -> hidden) -> LeakyReLU(0.1) ->
+  Linear(hidden -> n_choices)`` (``n_choices * n_layers_of_kind`` outputs when choices are per
+  layer), as the method prescribes. Axes whose layer kind does not occur in the model (e.g.
+  ``mlp_ffn`` without dense layers) get no head: they change nothing.
+* Sampling is ``softmax((scale_t * logits + G) / tau_t)`` with Gumbel noise ``G``: a relaxed
+  categorical whose temperature anneals geometrically (``tau_start -> tau_end``) while the logit
+  scale ramps linearly (``scale_start -> scale_end``), so samples go from soft mixtures to nearly
+  one-hot. All randomness (the Gumbel noise and the rare hard-sample coin) comes from one explicit
+  ``torch.Generator`` (a CPU one by default). Without a generator argument it is seeded from
+  ``(RouterConfig.seed, step)``, so every data-parallel worker draws the same sample at the same
+  step, on any device, with no communication.
+* With probability ``hard_sample_prob`` a step uses a hard one-hot sample (argmax of the relaxed
+  sample) with a straight-through gradient: ``onehot - y.detach() + y``. The forward pass then
+  runs one exact architecture, while the router still receives the soft gradient.
+* Initialisation (deterministic from the seed). The first ``n_budgets`` hidden units are an
+  identity read-out of the input, so budget i's logits start as the i-th column of a chosen
+  prior table; the other hidden units are random with tiny output weights (small noise that lets
+  every unit learn). The prior table puts the FULL budget near the largest candidate (softmax 0.9
+  on candidate 0 at scale 1) because its architecture must end up being the parent, and the
+  pinning loss then has little to undo. SMALLER budgets start spread out: high entropy (a mild
+  preference of 2:1) with the preferred candidate placed by rank: budget j of n (0 = full)
+  leans to candidate ``round(j / (n - 1) * (n_choices - 1))``, so the smallest budget leans to
+  the smallest candidate. Nothing is committed early, and budgets start apart so their gradients
+  do not have to break a symmetry. Because the identity part is non-negative, LeakyReLU is
+  linear on it: an interpolated budget input starts with interpolated logits.
+* The argmax architecture uses the raw logits: neither the scale nor the temperature changes an
+  argmax, and no noise is drawn, so exporting is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from model.config import HybridConfig
+from model.elastic.arch import Architecture, LayerOverride
+from model.elastic.budgets import BudgetSet
+from model.elastic.space import LAYER_AXES, ElasticSpace
+
+_FULL_PROB = 0.9
+"""Initial softmax probability of the largest candidate for the full budget (at scale 1, no noise)."""
+_SPREAD_RATIO = 2.0
+"""Initial odds of a smaller budget's preferred candidate against each other candidate."""
+
+
+class RouterConfig(BaseModel):
+    """Hyper-parameters of :class:`BudgetRouter` and its sampling schedules."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden: int = Field(128, gt=0, description="Hidden width of every per-axis MLP.")
+    tau_start: float = Field(1.0, gt=0, description="Gumbel-softmax temperature at step 0.")
+    tau_end: float = Field(0.05, gt=0, description="Temperature at the last step (geometric decay).")
+    scale_start: float = Field(1.0, gt=0, description="Logit scale at step 0.")
+    scale_end: float = Field(10.0, gt=0, description="Logit scale at the last step (linear ramp).")
+    hard_sample_prob: float = Field(
+        0.004, ge=0, le=1, description="Share of steps with a hard straight-through sample."
+    )
+    per_layer: bool = Field(False, description="One choice per layer on layer axes (needs space.per_layer).")
+    seed: int = Field(0, ge=0, description="Seeds the initialisation and the default per-step noise generator.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        if self.tau_end > self.tau_start:
+            raise ValueError(f"tau_end ({self.tau_end}) must not exceed tau_start ({self.tau_start})")
+        return self
+
+
+@dataclass
+class RouterSample:
+    """One router draw.
+
+    ``probs[axis]``: (n_choices,) or (n_layers_of_kind, n_choices) rows summing to 1 (float32), the
+    input of :func:`~model.elastic.build_masks.soft_mask` and of the budget loss.
+    ``logits[axis]``: the raw (unscaled, noise-free) logits of the same shape.
+    ``hard``: whether this draw is a straight-through one-hot sample.
+    """
+
+    probs: dict[str, Tensor]
+    logits: dict[str, Tensor]
+    hard: bool
+    tau: float = 1.0
+    scale: float = 1.0
+
+
+class BudgetRouter(nn.Module):
+    """Per-axis MLPs mapping a budget encoding (n_budgets,) to candidate distributions."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        space: ElasticSpace,
+        budgets: BudgetSet,
+        router_config: RouterConfig | None = None,
+    ) -> None:
+        super().__init__()
+        rc = router_config or RouterConfig()
+        space.validate_against(config)
+        if rc.per_layer and not space.per_layer:
+            raise ValueError("RouterConfig.per_layer=True needs an elastic space with per_layer=True")
+        if rc.hidden < len(budgets):
+            raise ValueError(
+                f"RouterConfig.hidden ({rc.hidden}) must be at least the number of budgets ({len(budgets)})"
+            )
+        self.config = config
+        self.space = space
+        self.budgets = budgets
+        self.router_config = rc
+        self.n_budgets = len(budgets)
+        kinds = config.layer_kinds
+        # Parent layer indices of each layer axis (rows of per-layer choices, parent order).
+        self.layer_rows: dict[str, list[int]] = {}
+        self.axes: list[str] = []
+        for axis in space.elastic_axes:
+            if axis in LAYER_AXES:
+                rows = [i for i, k in enumerate(kinds) if k == LAYER_AXES[axis]]
+                if not rows:
+                    continue  # no layer of that kind: the axis changes nothing
+                self.layer_rows[axis] = rows
+            self.axes.append(axis)
+        self.heads = nn.ModuleDict(
+            {
+                axis: nn.Sequential(
+                    nn.Linear(self.n_budgets, rc.hidden, bias=False),
+                    nn.LeakyReLU(0.1),
+                    nn.Linear(rc.hidden, self.n_rows(axis) * self.n_choices(axis), bias=False),
+                )
+                for axis in self.axes
+            }
+        )
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ shapes
+    def n_choices(self, axis: str) -> int:
+        return len(self.space.choices(axis))
+
+    def is_per_layer(self, axis: str) -> bool:
+        return self.router_config.per_layer and axis in LAYER_AXES
+
+    def n_rows(self, axis: str) -> int:
+        """Rows of choices: layers of the axis's kind when per-layer, else 1."""
+        return len(self.layer_rows[axis]) if self.is_per_layer(axis) else 1
+
+    # ------------------------------------------------------------------ initialisation
+    def initial_logits(self, axis: str) -> Tensor:
+        """(n_budgets, n_choices) prior logits, see the module docstring."""
+        n_b, n_c = self.n_budgets, self.n_choices(axis)
+        table = torch.zeros(n_b, n_c)
+        if n_c == 1:
+            return table
+        table[0, 0] = math.log(_FULL_PROB / (1 - _FULL_PROB) * (n_c - 1))
+        for j in range(1, n_b):
+            # rank j of n_b (0 = full) leans to the candidate at the same relative position
+            table[j, round(j / (n_b - 1) * (n_c - 1))] = math.log(_SPREAD_RATIO)
+        return table
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic initialisation from ``RouterConfig.seed`` (see the module docstring)."""
+        g = torch.Generator().manual_seed(self.router_config.seed)
+        n_b = self.n_budgets
+        for axis in self.axes:
+            first, _, second = self.heads[axis]
+            w1 = torch.randn(first.weight.shape, generator=g) * 0.5  # (hidden, n_budgets)
+            w1[:n_b] = torch.eye(n_b)
+            w2 = torch.randn(second.weight.shape, generator=g) * 1e-3  # (rows * n_choices, hidden)
+            w2[:, :n_b] = self.initial_logits(axis).T.repeat(self.n_rows(axis), 1)
+            first.weight.copy_(w1)
+            second.weight.copy_(w2)
+
+    # ------------------------------------------------------------------ schedules
+    def tau(self, step: int, total: int) -> float:
+        """``tau_start * decay**step`` with ``decay = (tau_end / tau_start) ** (1 / total)``; tau_end at ``total``."""
+        rc = self.router_config
+        if total <= 0:
+            return rc.tau_end
+        t = min(max(step, 0), total) / total
+        return rc.tau_start * (rc.tau_end / rc.tau_start) ** t
+
+    def scale(self, step: int, total: int) -> float:
+        """Linear ramp from ``scale_start`` at step 0 to ``scale_end`` at ``total``."""
+        rc = self.router_config
+        if total <= 0:
+            return rc.scale_end
+        t = min(max(step, 0), total) / total
+        return rc.scale_start + (rc.scale_end - rc.scale_start) * t
+
+    def step_generator(self, step: int) -> torch.Generator:
+        """The default CPU generator of ``step``: identical on every worker sharing the seed."""
+        return torch.Generator().manual_seed((self.router_config.seed * 1_000_003 + step) % (2**63))
+
+    # ------------------------------------------------------------------ forward
+    def _input(self, budget_vec: Tensor) -> Tensor:
+        weight = self.heads[self.axes[0]][0].weight if self.axes else None
+        if tuple(budget_vec.shape) != (self.n_budgets,):
+            raise ValueError(f"budget_vec must have shape ({self.n_budgets},), got {tuple(budget_vec.shape)}")
+        if weight is None:
+            return budget_vec
+        return budget_vec.to(device=weight.device, dtype=weight.dtype)
+
+    def logits(self, budget_vec: Tensor) -> dict[str, Tensor]:
+        """Raw logits per axis: (n_choices,) or (n_layers_of_kind, n_choices) when per-layer."""
+        x = self._input(budget_vec)
+        out = {}
+        for axis in self.axes:
+            flat = self.heads[axis](x)
+            out[axis] = flat.view(self.n_rows(axis), self.n_choices(axis)) if self.is_per_layer(axis) else flat
+        return out
+
+    def forward(
+        self,
+        budget_vec: Tensor,
+        step: int,
+        total_steps: int,
+        generator: torch.Generator | None = None,
+        hard: bool | None = None,
+    ) -> RouterSample:
+        """Draw relaxed (or, rarely, straight-through hard) choices for the budget ``budget_vec`` (n_budgets,).
+
+        ``generator``: the source of all randomness (default :meth:`step_generator`). ``hard``
+        forces (True) or forbids (False) a hard sample; None draws it with ``hard_sample_prob``.
+        The coin is drawn either way, so the noise stream does not depend on ``hard``.
+        """
+        g = generator if generator is not None else self.step_generator(step)
+        coin = torch.rand((), generator=g, device=g.device).item()
+        is_hard = coin < self.router_config.hard_sample_prob if hard is None else bool(hard)
+        tau, scale = self.tau(step, total_steps), self.scale(step, total_steps)
+        logits = self.logits(budget_vec)
+        probs = {}
+        for axis in self.axes:
+            z = logits[axis].float()
+            noise = _gumbel(z.shape, g).to(z.device)
+            y = torch.softmax((scale * z + noise) / tau, dim=-1)
+            if is_hard:
+                one_hot = torch.zeros_like(y).scatter_(-1, y.argmax(-1, keepdim=True), 1.0)
+                y = one_hot - y.detach() + y  # forward: one-hot; backward: the relaxed gradient
+            probs[axis] = y
+        return RouterSample(probs=probs, logits=logits, hard=is_hard, tau=tau, scale=scale)
+
+    # ------------------------------------------------------------------ architectures
+    @torch.no_grad()
+    def argmax_arch(self, budget_vec: Tensor) -> Architecture:
+        """The architecture of the most likely candidate on every axis (deterministic, no noise).
+
+        Per-layer choices become layer overrides, unless every layer of the kind picks the same
+        size, which is then written as the global value (so the budget stays extractable as one
+        standalone config).
+        """
+        global_sizes: dict[str, int] = {}
+        overrides: dict[int, dict[str, int]] = {}
+        for axis, z in self.logits(budget_vec).items():
+            choices = self.space.choices(axis)
+            idx = z.argmax(-1)
+            if not self.is_per_layer(axis):
+                global_sizes[axis] = choices[int(idx)]
+                continue
+            sizes = [choices[int(i)] for i in idx]
+            if len(set(sizes)) == 1:
+                global_sizes[axis] = sizes[0]
+                continue
+            for layer, size in zip(self.layer_rows[axis], sizes, strict=True):
+                overrides.setdefault(layer, {})[axis] = size
+        layers = {i: LayerOverride(**ov) for i, ov in sorted(overrides.items())}
+        return Architecture(**global_sizes, layers=layers)
+
+    def architectures(self, budget_set: BudgetSet | None = None) -> dict[str, Architecture]:
+        """``{budget name: argmax architecture}`` for every budget (default: the router's own set)."""
+        bs = budget_set or self.budgets
+        if len(bs) != self.n_budgets:
+            raise ValueError(f"the router was built for {self.n_budgets} budgets; got a set of {len(bs)}")
+        return {name: self.argmax_arch(bs.one_hot(name)) for name in bs.names}
+
+
+def _gumbel(shape: torch.Size, generator: torch.Generator) -> Tensor:
+    """Standard Gumbel noise ``-log(-log(U))`` of ``shape`` (float32) on the generator's device."""
+    u = torch.rand(shape, generator=generator, device=generator.device)
+    u = u.clamp_(min=torch.finfo(torch.float32).tiny, max=1.0 - torch.finfo(torch.float32).eps)
+    return -torch.log(-torch.log(u))

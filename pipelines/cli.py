@@ -1,0 +1,100 @@
+"""The ``star-elastic`` command line. Every subcommand is a thin shell over one validated config.
+
+Nothing is parsed at import time, so the module is safe to import from Ray workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+
+def _load_yaml(path: str | None) -> dict:
+    if not path:
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def _cmd_parent_train(args: argparse.Namespace) -> int:
+    from components.parent import ParentTrainConfig, train_parent
+    from components.tracking import make_tracker
+
+    raw = _load_yaml(args.config)
+    raw = raw.get("parent", raw)
+    if args.out:
+        raw["output_dir"] = args.out
+    if args.steps:
+        raw["steps"] = args.steps
+    if args.threads:
+        raw["threads"] = args.threads
+    cfg = ParentTrainConfig(**raw)
+    tracker = make_tracker(args.tracking_uri, "star-elastic-parent", run_name="parent-train")
+    metrics = train_parent(cfg, tracker)
+    tracker.finish()
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+def _cmd_extract(args: argparse.Namespace) -> int:
+    from model.elastic.export import extract_budget
+
+    out = extract_budget(args.checkpoint, args.budget, args.out)
+    print(f"wrote budget {args.budget!r} as a standalone nemotron_h checkpoint: {out}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pipelines.run import run_pipeline
+
+    return run_pipeline(args.config, overrides=args.set or [], force_from=args.from_stage, dry_run=args.dry_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    parent = sub.add_parser("parent", help="the demo parent model")
+    psub = parent.add_subparsers(dest="parent_command", required=True)
+    train = psub.add_parser("train", help="train the demo parent on the built-in reasoning task")
+    train.add_argument("--config", help="YAML with a 'parent' section (or the section itself)")
+    train.add_argument("--out", help="output checkpoint folder")
+    train.add_argument("--steps", type=int, help="override the number of steps")
+    train.add_argument("--threads", type=int, help="override the torch CPU thread count")
+    train.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or off)")
+    train.set_defaults(func=_cmd_parent_train)
+
+    run = sub.add_parser("run", help="run the whole pipeline (resumes at the first stage whose inputs changed)")
+    run.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/demo.yaml")
+    run.add_argument("--from", dest="from_stage", help="force this stage and every later one to run again")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    run.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
+    run.set_defaults(func=_cmd_run)
+
+    extract = sub.add_parser("extract", help="cut one budget out of a nested checkpoint (zero-shot)")
+    extract.add_argument("checkpoint", help="nested checkpoint folder")
+    extract.add_argument("--budget", required=True, help="budget name (see config.json 'elastic')")
+    extract.add_argument("--out", required=True, help="output folder for the standalone checkpoint")
+    extract.set_defaults(func=_cmd_extract)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"star-elastic: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Run the whole pipeline on an embedded local Ray (the default) and print a per-budget summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import PipelineConfig, load_pipeline_config
+from pipelines.runner import PipelineRunner, StageFailed
+from pipelines.stages import pipeline_stages
+
+
+def _init_ray(cfg: PipelineConfig) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address)
+        else:
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+
+
+def summary_rows(outputs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per budget from the export / evaluate / quantize outputs (whatever exists)."""
+    export = outputs.get("export", {})
+    evaluate = outputs.get("evaluate", {})
+    quantize = outputs.get("quantize", {})
+    rows = []
+    for b in export.get("budgets", []):
+        name = b["name"]
+        row = {
+            "budget": name,
+            "total_params": b.get("total_params"),
+            "active_params": b.get("active_params"),
+            "accuracy": evaluate.get("accuracy", {}).get(name),
+            "latency_s": evaluate.get("latency_s", {}).get(name),
+        }
+        for fmt, rec in quantize.get("recovery", {}).items():
+            row[f"recovery_{fmt}"] = rec.get(name)
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no budgets yet)"
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
+    body = ["  ".join(x[i].ljust(widths[i]) for i in range(len(cols))) for x in cells]
+    return "\n".join([line, "-" * len(line), *body])
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, int) and v > 10_000:
+        return f"{v:,}"
+    return str(v)
+
+
+def run_pipeline(
+    config_path: str, overrides: list[str] | None = None, force_from: str | None = None, dry_run: bool = False
+) -> int:
+    from components.tracking import MlflowTracker
+
+    cfg = load_pipeline_config(config_path, overrides)
+    runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
+    plan = runner.plan(force_from)
+    print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in plan))
+    if dry_run:
+        return 0
+    try:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    except ImportError:  # pragma: no cover
+        pass
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    tracking_uri = cfg.resolved_tracking_uri()
+    tracker = MlflowTracker(
+        tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
+    tracker.log_artifact(config_path, "config")
+    _init_ray(cfg)
+    start = time.perf_counter()
+    try:
+        results = runner.run(tracker, force_from=force_from)
+    except StageFailed as err:
+        tracker.finish("FAILED", str(err))
+        print(f"\n{err}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")
+        return 1
+    outputs = {r.name: r.outputs for r in results}
+    rows = summary_rows(outputs)
+    table = format_table(rows)
+    (cfg.run_dir / "summary.json").write_text(json.dumps({"rows": rows, "stages": outputs}, indent=2, default=str))
+    tracker.log_artifact(cfg.run_dir / "summary.json")
+    tracker.log_metrics({"pipeline_seconds": time.perf_counter() - start})
+    tracker.finish()
+    print("\n" + table)
+    print(f"\nfinished in {time.perf_counter() - start:.0f}s; outputs under {Path(cfg.run_dir).resolve()}")
+    print(f"MLflow: run {tracker.run_id} in experiment '{cfg.experiment}' at {tracking_uri}  (make ui)")
+    return 0
