@@ -135,6 +135,8 @@ class HybridLM(nn.Module):
             elif isinstance(mixer, MoE):
                 mixer.experts.up_proj.copy_(torch.randn(mixer.experts.up_proj.shape, generator=g) * std)
                 mixer.experts.down_proj.copy_(torch.randn(mixer.experts.down_proj.shape, generator=g) * std)
+                # the router weight is a bare parameter (not nn.Linear): without this every score is 0.5
+                mixer.gate.weight.copy_(torch.randn(mixer.gate.weight.shape, generator=g) * std)
                 mixer.gate.e_score_correction_bias.zero_()
         return self
 

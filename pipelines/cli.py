@@ -54,7 +54,9 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pipelines.run import run_pipeline
 
-    return run_pipeline(args.config, overrides=args.set or [], force_from=args.from_stage, dry_run=args.dry_run)
+    return run_pipeline(
+        args.config, overrides=args.set or [], force_from=args.from_stage, dry_run=args.dry_run, only=args.only
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--from", dest="from_stage", help="force this stage and every later one to run again")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     run.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
+    run.add_argument("--only", action="append", metavar="STAGE", help="run just this stage (its inputs must be done)")
     run.set_defaults(func=_cmd_run)
 
     extract = sub.add_parser("extract", help="cut one budget out of a nested checkpoint (zero-shot)")

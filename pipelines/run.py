@@ -67,7 +67,11 @@ def _fmt(v: Any) -> str:
 
 
 def run_pipeline(
-    config_path: str, overrides: list[str] | None = None, force_from: str | None = None, dry_run: bool = False
+    config_path: str,
+    overrides: list[str] | None = None,
+    force_from: str | None = None,
+    dry_run: bool = False,
+    only: list[str] | None = None,
 ) -> int:
     from components.tracking import MlflowTracker
 
@@ -85,15 +89,13 @@ def run_pipeline(
         pass
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = cfg.resolved_tracking_uri()
-    tracker = MlflowTracker(
-        tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    tracker = MlflowTracker(tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
     tracker.log_artifact(config_path, "config")
     _init_ray(cfg)
     start = time.perf_counter()
     try:
-        results = runner.run(tracker, force_from=force_from)
+        results = runner.run(tracker, force_from=force_from, only=only)
     except StageFailed as err:
         tracker.finish("FAILED", str(err))
         print(f"\n{err}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")

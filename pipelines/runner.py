@@ -180,6 +180,15 @@ class PipelineRunner:
         configs = self.build_configs()
         keys = self.keys(configs)
         plan = dict(self.plan(force_from))
+        if only is not None:
+            unknown = sorted(set(only) - set(plan))
+            if unknown:
+                raise ValueError(f"unknown stages {unknown}; stages are {list(plan)}")
+            for spec in self.stages:
+                if spec.name in only:
+                    missing = [d for d in spec.depends if plan[d] == "run" and d not in only]
+                    if missing:
+                        raise ValueError(f"stage {spec.name!r} needs {missing} done first (run them, or drop --only)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         results: list[StageResult] = []
         total = len(self.stages)

@@ -69,8 +69,110 @@ def parent_uri(ctx: StageContext) -> str:
     return str(_parent_dir(ctx).resolve())
 
 
+# ---------------------------------------------------------------------- rank
+def build_rank(ctx: StageContext) -> BaseModel:
+    from components.rank import RankConfig
+
+    return RankConfig(parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve()), **ctx.pipeline.rank)
+
+
+def run_rank_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.rank import run_rank
+
+    out = run_rank(cfg, tracker).model_dump()
+    rankings = json.loads(Path(out["rankings_uri"]).read_text())
+    depth = rankings.get("depth")
+    out["depth_order"] = depth["removal_order"] if depth else None
+    return out
+
+
+def _depth_order(ctx: StageContext) -> list[int] | None:
+    return ctx.outputs("rank").get("depth_order")
+
+
+# ---------------------------------------------------------------------- distillation
+def _student_dir(ctx: StageContext, stage: str) -> str:
+    return str((ctx.dir(stage) / "student").resolve())
+
+
+def _distill_config(ctx: StageContext, phase: int, section: dict[str, Any]) -> BaseModel:
+    from components.distill.config import DistillConfig
+
+    cfg: PipelineConfig = ctx.pipeline
+    base: dict[str, Any] = {
+        "phase": phase,
+        "teacher_uri": str((ctx.dir("rank") / "permuted").resolve()),
+        "output_dir": _student_dir(ctx, ctx.name),
+        "space": cfg.elastic.space,
+        "budgets": cfg.elastic.budgets,
+        "experiment": cfg.experiment,
+    }
+    if phase == 2:
+        base["init_from"] = _student_dir(ctx, "distill_phase1")
+    if cfg.storage_uri:
+        base["storage_path"] = f"{cfg.storage_uri.rstrip('/')}/{cfg.run_name}/ray/{ctx.name}"
+    return DistillConfig(**_merge(base, section))
+
+
+def build_distill1(ctx: StageContext) -> BaseModel:
+    return _distill_config(ctx, 1, ctx.pipeline.distill_phase1)
+
+
+def build_distill2(ctx: StageContext) -> BaseModel:
+    return _distill_config(ctx, 2, ctx.pipeline.distill_phase2)
+
+
+def run_distill_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.distill.stage import run_distill
+
+    order = _depth_order(ctx)
+    if order is not None and cfg.depth_order is None:
+        cfg = cfg.model_copy(update={"depth_order": order})
+    out = run_distill(cfg, tracker)
+    return out.model_dump()
+
+
+# ---------------------------------------------------------------------- export
+class ExportStageConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    distill_dir: str = Field(description="The phase-2 output folder (student + router).")
+    output_dir: str = Field(description="Where the one nested checkpoint is written.")
+    allow_off_target: bool = Field(False, description="Export even if a budget misses its target (recorded).")
+    tolerance: float = Field(0.05, gt=0, lt=1, description="Relative tolerance on each budget's active params.")
+
+
+def build_export(ctx: StageContext) -> BaseModel:
+    return ExportStageConfig(
+        distill_dir=_student_dir(ctx, "distill_phase2"),
+        output_dir=str((ctx.dir() / "nested").resolve()),
+        **ctx.pipeline.export,
+    )
+
+
+def run_export_stage(cfg: ExportStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.distill.stage import run_export
+    from components.storage import publish
+    from model.elastic.export import read_elastic
+
+    out = run_export(cfg.distill_dir, cfg.output_dir, cfg.allow_off_target, cfg.tolerance, tracker)
+    info = read_elastic(out)
+    budgets = [b.to_dict() for b in info.budgets]
+    for b in budgets:
+        tracker.log_metrics(
+            {f"active_params/{b['name']}": b["active_params"], f"total_params/{b['name']}": b["total_params"]}
+        )
+    result: dict[str, Any] = {"checkpoint_uri": str(out), "budgets": budgets}
+    if ctx.pipeline.storage_uri:
+        result["published_uri"] = publish(out, f"{ctx.pipeline.storage_uri.rstrip('/')}/{ctx.pipeline.run_name}/nested")
+    return result
+
+
 STAGES: list[StageSpec] = [
     StageSpec("parent", [], build_parent, run_parent, "the parent checkpoint (train the demo parent if none given)"),
+    StageSpec("rank", ["parent"], build_rank, run_rank_stage, "importance ranking (REAP for experts) and permutation"),
+    StageSpec("distill_phase1", ["rank"], build_distill1, run_distill_stage, "elastic distillation, short context"),
+    StageSpec("distill_phase2", ["distill_phase1"], build_distill2, run_distill_stage, "elastic distillation, long"),
+    StageSpec("export", ["distill_phase2"], build_export, run_export_stage, "one nested checkpoint (router argmax)"),
 ]
 
 
