@@ -7,7 +7,7 @@ CONFIG ?= pipelines/configs/demo.yaml
 PORT   ?= 8000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast run serve bench lint format ui kfp clean
+.PHONY: install test test-fast run serve bench lint format ui kfp parent clean
 
 install: $(STAMP)
 
@@ -41,6 +41,13 @@ lint: install
 format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# Retrain the shipped demo parent (pipelines/assets/demo-parent) on the built-in task.
+parent: install
+	$(BIN)/star-elastic parent train --out pipelines/assets/demo-parent
+
+kfp: install
+	$(BIN)/star-elastic kfp compile $(CONFIG) --out infra/kfp/demo-pipeline.yaml
 
 ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --port 5000
