@@ -59,6 +59,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_kfp_compile(args: argparse.Namespace) -> int:
+    from pipelines.kfp_pipeline import compile_pipeline
+
+    cluster = None
+    if args.cluster == "real":
+        from components.kuberay import real_cluster_config
+
+        cluster = real_cluster_config()
+    out = compile_pipeline(args.config, args.out, cluster)
+    print(f"wrote Kubeflow pipeline {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
     run.add_argument("--only", action="append", metavar="STAGE", help="run just this stage (its inputs must be done)")
     run.set_defaults(func=_cmd_run)
+
+    kfp = sub.add_parser("kfp", help="Kubeflow Pipelines")
+    ksub = kfp.add_subparsers(dest="kfp_command", required=True)
+    kcompile = ksub.add_parser("compile", help="compile the DAG to a KFP v2 YAML (each step submits a RayJob)")
+    kcompile.add_argument("config", help="pipeline YAML")
+    kcompile.add_argument("--out", default="pipeline.yaml", help="output YAML path")
+    kcompile.add_argument("--cluster", choices=["demo", "real"], default="demo", help="cluster shape for the RayJobs")
+    kcompile.set_defaults(func=_cmd_kfp_compile)
 
     extract = sub.add_parser("extract", help="cut one budget out of a nested checkpoint (zero-shot)")
     extract.add_argument("checkpoint", help="nested checkpoint folder")

@@ -1,0 +1,482 @@
+"""The pipeline's DAG compiled for Kubeflow Pipelines v2: one step per stage, each submitting a RayJob.
+
+Design choices:
+
+- By default (``executor="rayjob"``) a step creates a KubeRay RayJob built from the cluster config by
+  :func:`components.kuberay.ray_job_manifest`, whose entrypoint runs the stage with
+  :func:`pipelines.kfp_components.run_stage_only`, and polls it until it succeeds or fails.
+  ``executor="local"`` runs that function in the step itself.
+- One lightweight Python component, :func:`stage_step`, serves every stage; it is copied under each
+  stage's name so that the tasks are called ``parent``, ``rank``, ... in the UI and in the YAML. Its
+  base image is the project's image from the :class:`~components.kuberay.ClusterConfig`, which already
+  holds kfp, so ``install_kfp_package=False``: pods need no access to a package index.
+- A step returns the URI of its stage's folder and takes its upstream stages' URIs as inputs
+  (``upstream_1`` ...), so every edge of the DAG is a real data dependency, bound output to input.
+- The DAG comes from the stage list (``pipeline_stages()``); for the project's own list it always
+  holds the eight stages of :data:`PIPELINE_STAGES`, a stage not defined yet depending on the one
+  before it, so the compiled pipeline keeps its shape while stages are being written.
+- Everything a run needs travels as pipeline parameters with the compile-time values as defaults:
+  the config (one line of JSON; a run may pass YAML text or a URI instead), the cluster config as
+  JSON, the executor (``rayjob`` on a cluster, ``local`` to run the stage inside the step), the stage
+  module and the per-stage timeout. So one compiled file is reusable: edit a run's parameters, not the file.
+- Kubeflow's own cache is off: the runner's input-keyed markers decide whether a stage is done, and
+  Kubeflow cannot see whether a stage's outputs still exist in storage.
+"""
+
+# No ``from __future__ import annotations``: kfp reads the component's and the pipeline's parameter
+# types from their live annotations, and postponed (string) annotations would be taken as artifact types.
+import argparse
+import base64
+import copy
+import graphlib
+import hashlib
+import json
+import re
+import shlex
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from components.kuberay import ClusterConfig
+from components.kuberay.config import DEFAULT_NAMESPACE
+from pipelines.kfp_components import (
+    DEFAULT_STAGES_MODULE,
+    check_upstream,
+    load_stages,
+    read_config_text,
+    run_stage_only,
+    sanitize_run_key,
+    stage_uri,
+)
+from pipelines.runner import StageSpec
+
+# The stages of the project's pipeline, in run order (the task names of the compiled DAG).
+PIPELINE_STAGES = (
+    "parent",
+    "rank",
+    "distill_phase1",
+    "distill_phase2",
+    "export",
+    "evaluate",
+    "quantize",
+    "register",
+)
+PIPELINE_NAME = "star-elastic"
+MAX_UPSTREAM = 4  # input slots of the step component; a stage with more direct dependencies is refused
+DEFAULT_TIMEOUT_S = 7 * 24 * 3600  # per stage, as ray_job_manifest's default deadline
+EXECUTORS = ("rayjob", "local")
+# The images' WORKDIR (infra/docker): relative config paths (runs/, pipelines/assets/...) resolve there.
+IMAGE_WORKDIR = "/app"
+
+
+def stage_step(
+    stage: str,
+    config: str,
+    executor: str,
+    cluster: str,
+    stages_module: str,
+    run_key: str,
+    tracking: bool,
+    timeout_s: int,
+    upstream_1: str = "",
+    upstream_2: str = "",
+    upstream_3: str = "",
+    upstream_4: str = "",
+) -> str:
+    """Run one pipeline stage (as a RayJob, or in this pod) and return the URI of its output folder."""
+    from pipelines.kfp_pipeline import execute_step
+
+    upstream = [uri for uri in (upstream_1, upstream_2, upstream_3, upstream_4) if uri]
+    return execute_step(
+        stage,
+        config,
+        executor=executor,
+        cluster_json=cluster,
+        stages_module=stages_module,
+        run_key=run_key,
+        tracking=tracking,
+        timeout_s=timeout_s,
+        upstream=upstream,
+    )
+
+
+# ---------------------------------------------------------------------- a step on Kubernetes
+def rayjob_name(stage: str, run_key: str) -> str:
+    """A DNS-1035 RayJob name, unique per (Kubeflow run, stage) and stable across retries of the step."""
+    digest = hashlib.sha256(f"{run_key}/{stage}".encode()).hexdigest()[:8]
+    slug = re.sub(r"[^a-z0-9-]", "-", stage.lower()).strip("-")[:32] or "stage"
+    return f"se-{slug}-{digest}"
+
+
+def stage_entrypoint(
+    stage: str,
+    config_text: str,
+    *,
+    storage_uri: str,
+    stages_module: str,
+    run_key: str,
+    tracking: bool,
+    upstream: Sequence[str],
+    workdir: str = IMAGE_WORKDIR,
+) -> str:
+    """The RayJob entrypoint: ``python -m pipelines.kfp_components ...``, the config inline as base64.
+
+    KubeRay pastes the entrypoint into a shell script, so it is one simple command with every word
+    quoted; the config travels inline so that the job needs nothing but the image and the storage.
+    """
+    argv = ["python", "-m", "pipelines.kfp_components", stage, "--workdir", workdir]
+    argv += ["--config-b64", base64.b64encode(config_text.encode()).decode()]
+    argv += ["--storage-uri", storage_uri, "--stages-module", stages_module, "--run-key", run_key]
+    if not tracking:
+        argv.append("--no-tracking")
+    for uri in upstream:
+        argv += ["--upstream", uri]
+    return shlex.join(argv)
+
+
+def custom_objects_api() -> Any:
+    """A ``CustomObjectsApi`` from the pod's service account, else from the local kubeconfig."""
+    try:
+        from kubernetes import client, config
+    except ImportError as err:  # pragma: no cover - kfp depends on it
+        raise ImportError("submitting RayJobs needs the kubernetes client: pip install kubernetes") from err
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CustomObjectsApi()
+
+
+class RayJobFailed(RuntimeError):
+    """The RayJob of a stage ended without success."""
+
+
+def _state(obj: Mapping[str, Any]) -> str:
+    """'succeeded', 'failed' or 'running' from a RayJob's status."""
+    status = obj.get("status") or {}
+    deployment, job = status.get("jobDeploymentStatus", ""), status.get("jobStatus", "")
+    if job == "SUCCEEDED":
+        return "succeeded"
+    # A FAILED jobStatus alone is not final: with backoffLimit the operator retries on a new cluster.
+    if deployment == "Failed" or (deployment == "Complete" and job in ("FAILED", "STOPPED")):
+        return "failed"
+    return "running"
+
+
+_GROUP, _VERSION, _PLURAL = "ray.io", "v1", "rayjobs"
+
+
+def submit_rayjob(api: Any, manifest: Mapping[str, Any], log: Callable[[str], None] = print) -> None:
+    """Create the RayJob; an existing one of that name (a retried step) is adopted, or replaced if it failed."""
+    from kubernetes.client.rest import ApiException
+
+    namespace, name = manifest["metadata"]["namespace"], manifest["metadata"]["name"]
+    try:
+        api.create_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, dict(manifest))
+        log(f"created RayJob {namespace}/{name}")
+        return
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    existing = api.get_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, name)
+    if _state(existing) != "failed":
+        log(f"RayJob {namespace}/{name} exists; following it")
+        return
+    log(f"RayJob {namespace}/{name} failed before; replacing it")
+    api.delete_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, name)
+    for _ in range(120):
+        try:
+            api.get_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, name)
+        except ApiException as err:
+            if err.status == 404:
+                break
+            raise
+        time.sleep(1)
+    api.create_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, dict(manifest))
+
+
+def wait_for_rayjob(
+    api: Any,
+    namespace: str,
+    name: str,
+    timeout_s: float,
+    poll_s: float = 15.0,
+    log: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Poll the RayJob until it succeeds (returns its status) or fails (raises :class:`RayJobFailed`).
+
+    On timeout the RayJob is deleted, so that a hung stage does not keep its cluster, and
+    ``TimeoutError`` is raised.
+    """
+    deadline = clock() + timeout_s
+    seen = None
+    errors = 0
+    while True:
+        try:
+            obj = api.get_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, name)
+            errors = 0
+        except Exception as err:
+            # A stage may run for days: ride out an API server restart, but not a deleted job or lost access.
+            errors += 1
+            if errors > 5 or getattr(err, "status", None) in (401, 403, 404):
+                raise
+            log(f"RayJob {namespace}/{name}: status unavailable ({type(err).__name__}); retrying")
+            sleep(poll_s)
+            continue
+        status = obj.get("status") or {}
+        now = (status.get("jobDeploymentStatus", "-"), status.get("jobStatus", "-"))
+        if now != seen:
+            log(f"RayJob {namespace}/{name}: deployment {now[0]}, job {now[1]}")
+            seen = now
+        state = _state(obj)
+        if state == "succeeded":
+            return status
+        if state == "failed":
+            reason = status.get("reason") or now[0]
+            message = status.get("message") or "no message"
+            raise RayJobFailed(
+                f"RayJob {namespace}/{name} failed ({reason}): {message}; "
+                f"driver logs: kubectl -n {namespace} logs job/{name}"
+            )
+        if clock() >= deadline:
+            api.delete_namespaced_custom_object(_GROUP, _VERSION, namespace, _PLURAL, name)
+            raise TimeoutError(f"RayJob {namespace}/{name} did not finish in {timeout_s:.0f}s; deleted it")
+        sleep(poll_s)
+
+
+def execute_step(
+    stage: str,
+    config: str,
+    *,
+    executor: str = "rayjob",
+    cluster_json: str = "",
+    stages_module: str = DEFAULT_STAGES_MODULE,
+    run_key: str = "",
+    tracking: bool = True,
+    timeout_s: int = DEFAULT_TIMEOUT_S,
+    upstream: Sequence[str] = (),
+    api: Any = None,
+    poll_s: float = 15.0,
+) -> str:
+    """Body of a Kubeflow step: run ``stage`` with ``executor``; returns the URI of the stage's folder."""
+    from pipelines.config import load_pipeline_config
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor {executor!r}: expected one of {EXECUTORS}")
+    text = read_config_text(config)
+    run_key = sanitize_run_key(run_key) or sanitize_run_key(hashlib.sha256(text.encode()).hexdigest())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(text)
+        if executor == "local":
+            result = run_stage_only(
+                path, stage, stages_module=stages_module, run_key=run_key, tracking=tracking, upstream=upstream
+            )
+            print(json.dumps({"stage": stage, "status": result.status, "uri": result.uri}))
+            return result.uri
+        cfg = load_pipeline_config(path)  # a broken config fails here, before any cluster starts
+    from components.kuberay import ray_job_manifest
+    from components.storage import is_s3
+
+    check_upstream(load_stages(stages_module), stage, upstream)
+    cluster = ClusterConfig.model_validate_json(cluster_json)
+    root = cfg.storage_uri or cluster.storage_uri
+    if not is_s3(root):
+        raise ValueError(f"executor 'rayjob' needs an s3:// storage root, got {root!r}: outputs must outlive the job")
+    name = rayjob_name(stage, run_key)
+    entrypoint = stage_entrypoint(
+        stage,
+        text,
+        storage_uri=root,
+        stages_module=stages_module,
+        run_key=run_key,
+        tracking=tracking,
+        upstream=upstream,
+    )
+    # The operator stops the job at the step's own deadline; a short TTL frees the finished cluster soon.
+    manifest = ray_job_manifest(cluster, name, entrypoint, ttl=120, active_deadline_s=timeout_s)
+    manifest["metadata"]["labels"].update({"star-elastic/stage": stage.replace("_", "-"), "star-elastic/run": run_key})
+    api = api or custom_objects_api()
+    submit_rayjob(api, manifest)
+    wait_for_rayjob(api, cluster.namespace, name, timeout_s + 300, poll_s=poll_s)
+    return stage_uri(root, cfg.run_dir, cfg.run_name, stage)
+
+
+# ---------------------------------------------------------------------- the DAG
+def _kfp() -> Any:
+    try:
+        import kfp
+        from kfp import compiler, dsl
+    except ImportError as err:  # pragma: no cover - a dependency of the project
+        raise ImportError("compiling the Kubeflow pipeline needs kfp: pip install 'kfp>=2.7'") from err
+    return kfp, compiler, dsl
+
+
+def pipeline_dag(stages: Sequence[StageSpec], complete: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Stage -> direct upstream stages, in run order.
+
+    ``complete``: stage names the DAG must hold in this order; one missing from ``stages`` depends on
+    the name before it.
+    """
+    deps = {spec.name: list(spec.depends) for spec in stages}
+    for i, name in enumerate(complete):
+        deps.setdefault(name, [complete[i - 1]] if i else [])
+    for name, upstream in deps.items():
+        unknown = [d for d in upstream if d not in deps]
+        if unknown:
+            raise ValueError(f"stage {name!r} depends on unknown stages {unknown}")
+        if len(upstream) > MAX_UPSTREAM:
+            raise ValueError(f"stage {name!r} has {len(upstream)} direct dependencies; steps take {MAX_UPSTREAM}")
+    order = list(graphlib.TopologicalSorter(deps).static_order())
+    return {name: deps[name] for name in order}
+
+
+def build_pipeline(
+    dag: Mapping[str, Sequence[str]],
+    config_text: str,
+    cluster: ClusterConfig,
+    stages_module: str = DEFAULT_STAGES_MODULE,
+) -> Any:
+    """The ``@dsl.pipeline`` function for ``dag``; parameters default to the given config and cluster.
+
+    ``config_text`` must be one line (e.g. the config as JSON): see :func:`compile_pipeline`.
+    """
+    _, _, dsl = _kfp()
+    if "\n" in config_text:
+        raise ValueError("config_text must be a single line (JSON); kfp breaks on multi-line defaults")
+    base = dsl.component(stage_step, base_image=cluster.image, install_kfp_package=False)
+
+    def component_for(stage: str) -> Any:
+        # Same code, the stage's name: tasks and components are then named after their stage.
+        comp = copy.deepcopy(base)
+        comp.component_spec.name = stage
+        return comp
+
+    cluster_json = cluster.model_dump_json()
+    last = list(dag)[-1]
+
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="Parent hybrid LM -> nested elastic budgets in one checkpoint: each step runs one stage "
+        "(a KubeRay RayJob by default) and passes the URI of the stage's outputs downstream.",
+    )
+    def star_elastic(
+        config: str = config_text,
+        executor: str = "rayjob",
+        cluster: str = cluster_json,
+        stages_module: str = stages_module,
+        tracking: bool = True,
+        timeout_s: int = DEFAULT_TIMEOUT_S,
+    ) -> str:
+        tasks: dict[str, Any] = {}
+        for stage, upstream in dag.items():
+            slots = {f"upstream_{i}": tasks[dep].output for i, dep in enumerate(upstream, 1)}
+            task = component_for(stage)(
+                stage=stage,
+                config=config,
+                executor=executor,
+                cluster=cluster,
+                stages_module=stages_module,
+                run_key=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                tracking=tracking,
+                timeout_s=timeout_s,
+                **slots,
+            )
+            task.set_display_name(stage)
+            task.set_caching_options(False)
+            tasks[stage] = task
+        return tasks[last].output
+
+    return star_elastic
+
+
+def compile_pipeline(
+    config_path: str | Path,
+    out_path: str | Path,
+    cluster: ClusterConfig | None = None,
+    *,
+    stages_module: str = DEFAULT_STAGES_MODULE,
+) -> Path:
+    """Validate the config and write the compiled pipeline YAML to ``out_path`` (no cluster needed).
+
+    ``cluster`` defaults to the demo cluster of :mod:`components.kuberay`. ``stages_module`` names the
+    stage list (a module or a ``.py`` file with ``pipeline_stages()``); for the project's own list the
+    DAG always has the eight stages of :data:`PIPELINE_STAGES`.
+    """
+    from components.kuberay import demo_cluster_config
+    from pipelines.config import load_pipeline_config
+
+    _, compiler, _ = _kfp()
+    load_pipeline_config(config_path)  # an invalid config fails here, not in the first step of a run
+    # One line of JSON (which is YAML): kfp copies parameter defaults into the file's comment header
+    # and leaves the second line of a multi-line default uncommented, which breaks the whole file.
+    text = json.dumps(yaml.safe_load(Path(config_path).read_text()))
+    complete = PIPELINE_STAGES if stages_module == DEFAULT_STAGES_MODULE else ()
+    dag = pipeline_dag(load_stages(stages_module), complete)
+    pipeline = build_pipeline(dag, text, cluster or demo_cluster_config(), stages_module)
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(pipeline, str(out))
+    return out
+
+
+# ---------------------------------------------------------------------- RBAC
+def rayjob_rbac_manifests(
+    namespace: str = DEFAULT_NAMESPACE,
+    service_account: str = "pipeline-runner",
+    service_account_namespace: str = "kubeflow",
+    name: str = "star-elastic-kfp-rayjobs",
+) -> list[dict[str, Any]]:
+    """Role + RoleBinding letting the Kubeflow steps' service account manage RayJobs in ``namespace``.
+
+    ``pipeline-runner`` in ``kubeflow`` is what standalone Kubeflow Pipelines runs steps as; in a
+    multi-user install it is ``default-editor`` in the profile's namespace.
+    """
+    labels = {"app.kubernetes.io/name": "star-elastic", "app.kubernetes.io/component": "kfp-rbac"}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        # create: submit a stage; get: poll its status (and find a retried step's job);
+        # delete: replace a failed job on retry, or stop one that ran past the step's timeout.
+        "rules": [{"apiGroups": ["ray.io"], "resources": ["rayjobs"], "verbs": ["create", "get", "delete"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(labels)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": service_account_namespace}],
+    }
+    return [role, binding]
+
+
+def rbac_yaml(**kwargs: Any) -> str:
+    """:func:`rayjob_rbac_manifests` as one multi-document YAML text."""
+    return yaml.safe_dump_all(rayjob_rbac_manifests(**kwargs), sort_keys=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipelines.kfp_pipeline CONFIG [--out PATH] [--cluster demo|real]``: compile the pipeline."""
+    from components.kuberay import demo_cluster_config, real_cluster_config
+
+    parser = argparse.ArgumentParser(prog="python -m pipelines.kfp_pipeline", description=main.__doc__)
+    parser.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/demo.yaml")
+    parser.add_argument("--out", default="infra/kfp/demo-pipeline.yaml", help="where to write the pipeline YAML")
+    parser.add_argument("--cluster", choices=("demo", "real"), default="demo", help="cluster config of the RayJobs")
+    parser.add_argument("--registry", default="", help="image registry prefix, e.g. ghcr.io/acme")
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace the RayJobs are created in")
+    args = parser.parse_args(argv)
+    make = demo_cluster_config if args.cluster == "demo" else real_cluster_config
+    print(compile_pipeline(args.config, args.out, make(args.registry, args.namespace)))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
