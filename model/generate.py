@@ -111,7 +111,9 @@ def take_row(cache: HybridCache, row: int, length: int, kv: bool = True) -> RowS
     layers: list[KVCache | MambaCache | None] = []
     for c in cache.layers:
         if isinstance(c, KVCache) and kv:
-            layers.append(KVCache(c.k[row : row + 1, :, :length].clone(), c.v[row : row + 1, :, :length].clone(), length))
+            layers.append(
+                KVCache(c.k[row : row + 1, :, :length].clone(), c.v[row : row + 1, :, :length].clone(), length)
+            )
         elif isinstance(c, MambaCache):
             layers.append(MambaCache(c.conv[row : row + 1].clone(), c.ssm[row : row + 1].clone()))
         else:
@@ -182,10 +184,14 @@ def _device(model) -> torch.device:
     return device if isinstance(device, torch.device) else next(model.parameters()).device
 
 
-def _hit_stop_string(tokens: list[int], stop: tuple[str, ...], decode: Decode) -> bool:
+def hit_stop_string(tokens: list[int], stop: tuple[str, ...], decode: Decode) -> bool:
+    """Whether a stop string occurs in the decoded tail of ``tokens`` (window: the longest stop's length)."""
     window = max(len(s) for s in stop)
     tail = decode(tokens[-window:])
     return any(s in tail for s in stop)
+
+
+_hit_stop_string = hit_stop_string  # earlier private name, still imported elsewhere
 
 
 @torch.no_grad()
@@ -224,7 +230,7 @@ def _decode_group(
             row.tokens.append(tok)
             if tok in stop_ids:
                 row.stop_reason = "stop_id"
-            elif params.stop and _hit_stop_string(row.tokens, params.stop, decode):
+            elif params.stop and hit_stop_string(row.tokens, params.stop, decode):
                 row.stop_reason = "stop_string"
             elif len(row.tokens) < params.max_new_tokens:
                 keep_rows.append(j)

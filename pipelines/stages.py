@@ -167,12 +167,65 @@ def run_export_stage(cfg: ExportStageConfig, tracker: Tracker, ctx: StageContext
     return result
 
 
+# ---------------------------------------------------------------------- evaluate
+def _nested_dir(ctx: StageContext) -> str:
+    return str((ctx.dir("export") / "nested").resolve())
+
+
+def build_evaluate(ctx: StageContext) -> BaseModel:
+    from components.evaluate import EvalConfig
+
+    base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "threads": ctx.pipeline.threads}
+    return EvalConfig(**_merge(base, ctx.pipeline.evaluate))
+
+
+def _per_budget(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """``{"acc/full": .9, "acc/full/L1": ...}`` -> ``{"full": .9}`` (top-level entries only)."""
+    out = {}
+    for k, v in metrics.items():
+        parts = k.split("/")
+        if len(parts) == 2 and parts[0] == prefix:
+            out[parts[1]] = v
+    return out
+
+
+def run_evaluate_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.evaluate import run_evaluate
+
+    out = run_evaluate(cfg, tracker)
+    return {
+        **out.model_dump(),
+        "accuracy": _per_budget(out.metrics, "acc"),
+        "latency_s": _per_budget(out.metrics, "latency_s"),
+    }
+
+
+# ---------------------------------------------------------------------- register
+def build_register(ctx: StageContext) -> BaseModel:
+    from components.register import RegisterConfig
+
+    reg = ctx.pipeline.registry
+    return RegisterConfig(model_name=reg.model_name, alias=reg.alias, gate=reg.gate, checkpoint_uri=_nested_dir(ctx))
+
+
+def run_register_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.register import run_register
+
+    accuracy = ctx.outputs("evaluate").get("accuracy", {})
+    budgets = [{**b, "accuracy": accuracy.get(b["name"])} for b in ctx.outputs("export").get("budgets", [])]
+    formats = {fmt: path for fmt, path in ctx.outputs("quantize").get("checkpoints", {}).items()}
+    cfg = cfg.model_copy(update={"budgets": budgets, "formats": formats})
+    return run_register(cfg, tracker)
+
+
 STAGES: list[StageSpec] = [
     StageSpec("parent", [], build_parent, run_parent, "the parent checkpoint (train the demo parent if none given)"),
     StageSpec("rank", ["parent"], build_rank, run_rank_stage, "importance ranking (REAP for experts) and permutation"),
     StageSpec("distill_phase1", ["rank"], build_distill1, run_distill_stage, "elastic distillation, short context"),
     StageSpec("distill_phase2", ["distill_phase1"], build_distill2, run_distill_stage, "elastic distillation, long"),
     StageSpec("export", ["distill_phase2"], build_export, run_export_stage, "one nested checkpoint (router argmax)"),
+    StageSpec("evaluate", ["export"], build_evaluate, run_evaluate_stage, "accuracy/latency per budget, budget control"),
+    StageSpec("register", ["export", "evaluate"], build_register, run_register_stage, "MLflow model version + gate"),
 ]
 
 

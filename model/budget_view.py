@@ -1,0 +1,455 @@
+"""Every budget of a nested family as a model whose weights are views of ONE parent copy.
+
+Design choices:
+
+* :func:`budget_model` builds a standalone-looking :class:`BudgetModel` (a :class:`HybridLM`)
+  whose parameters are ``narrow``/slice views of the parent's tensors: hidden, FFN widths,
+  experts, the shared expert and attention K/V columns are plain prefixes, so they are exact
+  views (strided matrices go to BLAS with their leading dimension; nothing is copied).
+* Grouped heads are not a single prefix. Keeping k of the H/G heads of every group keeps G
+  separate row blocks of ``q_proj`` (or of Mamba's z / x / dt rows) and G column blocks of
+  ``o_proj`` / ``out_proj``. ``F.linear`` needs one 2-D weight, and no 2-D view of a strided
+  block pattern exists, so those projections become :class:`RowSplitLinear` (outputs of G views,
+  concatenated) and :class:`ColSplitLinear` (G views applied to the matching input slices, summed):
+  still views, at the price of G small matmuls instead of one. Mamba's ``in_proj`` is split this
+  way even with one group ([z | x | B | C | dt] keeps a prefix of z, x and dt but all of B and C).
+* Routed experts are strided 3-D views ``[:E', :F', :H']``. When the expert width shrinks, the
+  (E, F) dimensions can no longer be flattened without a copy, which the parent's few-token
+  expert path does; such layers get :class:`StridedExperts`, the same computation with batched
+  matmuls that accept strided operands.
+* Small per-channel tensors whose kept entries are not contiguous -- the depthwise ``conv1d``
+  weight and bias (x channels and B/C channels), and with several groups ``A_log`` / ``D`` /
+  ``dt_bias`` and the gated-norm weight -- are copied: the mixer reads them as whole tensors, and
+  they hold ``O(heads * head_dim * kernel)`` numbers per layer (``copied_bytes`` reports them:
+  about ``(kernel + 1) / (3 * hidden)`` of a Mamba layer's bytes, 0.8% of the demo parent's
+  weights at hidden 64 with half its Mamba heads, well under 0.1% at hidden 2688; zero when Mamba
+  heads do not shrink). Avoiding even that copy would need the Mamba mixer to accept its conv
+  channels in segments.
+* Fallback, ``mode == "masked"``: the budget is the parent's own modules plus the budget's
+  :func:`~model.elastic.build_masks.hard_mask`. It is used when the parent is quantized (a
+  ``QuantLinear`` projection or ``QuantExperts``: packed codes and block scales, whose slicing is
+  the quantizer's job) or when asked with ``prefer="masked"``. It computes the same function at
+  full-model cost (every layer runs, dropped ones gated off).
+* A :class:`BudgetModel` may carry a default mask that its ``forward`` applies; the caller then
+  cannot pass another (a second mask would silently compose). Its caches have the shapes of its
+  own modules: the same for every budget along hidden / FFN / experts, smaller Mamba states when
+  Mamba heads shrink, and fewer layers when depth drops layers (``kept_layers`` names them).
+* A view model shares memory with the parent: an in-place update of the parent shows in every
+  budget, and moving a view model to another device or dtype copies it (move the parent first).
+  It is for inference and serving; write a budget to disk with
+  :func:`model.elastic.export.extract_budget`, which copies contiguous tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import HybridConfig
+from model.elastic.arch import Architecture, LayerArch
+from model.elastic.build_masks import hard_mask
+from model.elastic.params import count_params
+from model.elastic.slicing import extract_config, grouped_heads, head_channels, layer_configs
+from model.elastic.space import ElasticSpace
+from model.hybrid import Block, CausalLMOutput, HybridLM
+from model.masks import ModelMask
+from model.mlp import relu2
+from model.moe import Experts
+
+Mode = Literal["view", "masked"]
+
+
+# ---------------------------------------------------------------------- split projections
+def runs(index: Tensor) -> list[tuple[int, int]]:
+    """Maximal contiguous runs of a 1-D index as (start, length): ``[0,1,2,8,9] -> [(0,3), (8,2)]``."""
+    idx = index.tolist()
+    out: list[tuple[int, int]] = []
+    for i in idx:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+class RowSplitLinear(nn.Module):
+    """``cat([x @ W_i^T + b_i])`` over row blocks ``W_i`` (views) of one parent weight.
+
+    x: (..., in) -> (..., sum of block rows).
+    """
+
+    def __init__(self, weights: Sequence[Tensor], biases: Sequence[Tensor] | None = None) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
+        self.biases = nn.ParameterList([nn.Parameter(b, requires_grad=False) for b in biases]) if biases else None
+        self.in_features = weights[0].shape[1]
+        self.out_features = sum(w.shape[0] for w in weights)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.biases is None:
+            return torch.cat([F.linear(x, w) for w in self.weights], dim=-1)
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)], dim=-1)
+
+
+class ColSplitLinear(nn.Module):
+    """``sum_i x_i @ W_i^T + b`` with ``x`` split along its last dim to the column blocks ``W_i`` (views).
+
+    x: (..., sum of block columns) -> (..., out).
+    """
+
+    def __init__(self, weights: Sequence[Tensor], bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.sizes = [w.shape[1] for w in weights]
+        self.in_features = sum(self.sizes)
+        self.out_features = weights[0].shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        parts = x.split(self.sizes, dim=-1)
+        out = F.linear(parts[0], self.weights[0], self.bias)
+        for p, w in zip(parts[1:], list(self.weights)[1:], strict=True):
+            out = out + F.linear(p, w)
+        return out
+
+
+def _param(t: Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _gather(t: Tensor, index: Tensor, dim: int = 0) -> Tensor:
+    """A view when ``index`` is one contiguous run, else a (small) copy."""
+    r = runs(index)
+    if len(r) == 1:
+        return t.detach().narrow(dim, r[0][0], r[0][1])
+    return t.detach().index_select(dim, index.to(t.device))
+
+
+def _row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:
+    """``lin`` restricted to ``rows`` (None: all) and the first ``h`` input columns, as views."""
+    w = lin.weight.detach()[:, :h]
+    blocks = [(0, w.shape[0])] if rows is None else runs(rows)
+    ws = [w.narrow(0, s, n) for s, n in blocks]
+    bs = [lin.bias.detach().narrow(0, s, n) for s, n in blocks] if lin.bias is not None else None
+    if len(ws) == 1:
+        out = nn.Linear(h, ws[0].shape[0], bias=bs is not None, device="meta")
+        out.weight = _param(ws[0])
+        if bs is not None:
+            out.bias = _param(bs[0])
+        return out
+    return RowSplitLinear(ws, bs)
+
+
+def _col_linear(lin: nn.Linear, cols: Tensor | None, h: int) -> nn.Module:
+    """``lin`` restricted to its first ``h`` output rows and to the input columns ``cols``, as views."""
+    w = lin.weight.detach()[:h]
+    bias = lin.bias.detach()[:h] if lin.bias is not None else None
+    blocks = [(0, w.shape[1])] if cols is None else runs(cols)
+    ws = [w.narrow(1, s, n) for s, n in blocks]
+    if len(ws) == 1:
+        out = nn.Linear(ws[0].shape[1], h, bias=bias is not None, device="meta")
+        out.weight = _param(ws[0])
+        if bias is not None:
+            out.bias = _param(bias)
+        return out
+    return ColSplitLinear(ws, bias)
+
+
+# ---------------------------------------------------------------------- per-layer views
+def _view_mamba(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, h: int) -> None:
+    heads = grouped_heads(c.mamba_num_heads, c.n_groups, la.mamba_heads)
+    ch = head_channels(heads, c.mamba_head_dim)
+    d, gn = c.mamba_d_inner, 2 * c.n_groups * c.ssm_state_size
+    bc = torch.arange(gn)
+    in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
+    dst.in_proj = _row_linear(src.in_proj, in_rows, h)
+    conv_ch = torch.cat([ch, d + bc])  # [x | B | C]
+    dst.conv1d.weight = _param(_gather(src.conv1d.weight, conv_ch))
+    if src.conv1d.bias is not None:
+        dst.conv1d.bias = _param(_gather(src.conv1d.bias, conv_ch))
+    for name in ("dt_bias", "A_log", "D"):
+        setattr(dst, name, _param(_gather(getattr(src, name), heads)))
+    dst.norm.weight = _param(_gather(src.norm.weight, ch))
+    dst.out_proj = _col_linear(src.out_proj, ch, h)
+
+
+def _view_attention(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, h: int) -> None:
+    heads = grouped_heads(c.num_attention_heads, c.num_key_value_heads, la.attn_heads)
+    ch = head_channels(heads, c.head_dim)
+    dst.q_proj = _row_linear(src.q_proj, ch, h)
+    dst.k_proj = _row_linear(src.k_proj, None, h)
+    dst.v_proj = _row_linear(src.v_proj, None, h)
+    dst.o_proj = _col_linear(src.o_proj, ch, h)
+
+
+def _view_mlp(dst: nn.Module, src: nn.Module, f: int, h: int) -> None:
+    dst.up_proj = _row_linear(src.up_proj, torch.arange(f), h)
+    dst.down_proj = _col_linear(src.down_proj, torch.arange(f), h)
+
+
+class StridedExperts(Experts):
+    """:class:`~model.moe.Experts` over strided views ``up_proj[:E', :F', :H']`` / ``down_proj[:E', :H', :F']``.
+
+    Used when the expert width shrinks: the parent's dense few-token path flattens ``up_proj`` to
+    (E*F, H) with ``view``, which a width-sliced view cannot do without a copy. This forward
+    computes the same sum with batched matmuls that take strided operands: every expert on every
+    token (weighted by zero where unselected) for a few tokens, one slice of routed tokens per
+    expert otherwise. x: (T, hidden); idx, weights: (T, k) -> (T, hidden).
+    """
+
+    def forward(self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask=None, observer=None) -> Tensor:
+        t, k = idx.shape
+        if observer is None and t <= _DENSE_TOKENS:
+            act = relu2(torch.matmul(x, self.up_proj.transpose(1, 2)))  # (E, T, F)
+            if ffn_mask is not None:
+                act = act * ffn_mask.to(act.dtype)
+            ys = torch.bmm(act, self.down_proj.transpose(1, 2))  # (E, T, hidden)
+            mix = weights.new_zeros(t, self.num_experts).scatter_(1, idx, weights).to(ys.dtype)  # (T, E)
+            return (ys * mix.t().unsqueeze(-1)).sum(0)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // k
+        xs = x[token]
+        pieces, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                h = relu2(xs[start : start + n] @ self.up_proj[e].t())
+                if ffn_mask is not None:
+                    h = h * ffn_mask.to(h.dtype)
+                pieces.append(h @ self.down_proj[e].t())
+                start += n
+        ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
+        if observer is not None:
+            norms = torch.empty(t * k, device=x.device, dtype=torch.float32)
+            norms[order] = ys.detach().float().norm(dim=-1)
+            observer(idx, weights.detach(), norms.view(t, k))
+        w = weights.reshape(-1)[order].to(ys.dtype)
+        return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
+
+
+_DENSE_TOKENS = 64
+"""Tokens up to which :class:`StridedExperts` runs every expert on every token (decode steps, short prompts)."""
+
+
+def _view_moe(dst: nn.Module, src: nn.Module, la: LayerArch, h: int, config: HybridConfig) -> None:
+    e, f = la.experts, la.ffn
+    dst.gate.weight = _param(src.gate.weight.detach()[:e, :h])
+    dst.gate.e_score_correction_bias = src.gate.e_score_correction_bias[:e]
+    up = src.experts.up_proj.detach()[:e, :f, :h]  # (E, F, H)
+    if up.stride(0) != up.shape[1] * up.stride(1):  # (E, F) cannot be flattened without a copy
+        with torch.device("meta"):
+            dst.experts = StridedExperts(config)
+    dst.experts.up_proj = _param(up)
+    dst.experts.down_proj = _param(src.experts.down_proj.detach()[:e, :h, :f])  # (E, H, F)
+    if src.shared_experts is not None:
+        _view_mlp(dst.shared_experts, src.shared_experts, la.shared_ffn, h)
+
+
+# ---------------------------------------------------------------------- the budget model
+class BudgetModel(HybridLM):
+    """A :class:`HybridLM` computing one budget: views of the parent (``mode="view"``), or the
+    parent's own modules under the budget's mask (``mode="masked"``). See the module docstring."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        backbone: nn.Module,
+        lm_head: nn.Module,
+        mode: Mode,
+        kept_layers: tuple[int, ...],
+        budget_mask: ModelMask | None = None,
+        name: str | None = None,
+    ) -> None:
+        nn.Module.__init__(self)  # modules are adopted, not built: HybridLM.__init__ would allocate them
+        self.config = config
+        self.model = backbone
+        self.lm_head = lm_head
+        self.mode: Mode = mode
+        self.kept_layers = kept_layers
+        self.budget_mask = budget_mask
+        self.name = name
+
+    def forward(self, input_ids: Tensor, *args: Any, mask: ModelMask | None = None, **kwargs: Any) -> CausalLMOutput:
+        """As :meth:`HybridLM.forward`; ``mask`` only when no budget mask is set (it is applied for you)."""
+        if mask is not None and self.budget_mask is not None:
+            raise ValueError(f"budget {self.name!r} already applies its own mask; pass mask=None")
+        return super().forward(input_ids, *args, mask=mask if mask is not None else self.budget_mask, **kwargs)
+
+    def save_pretrained(self, path: str | Path, **kwargs) -> Path:
+        raise TypeError(
+            "a BudgetModel shares (and may split) the parent's tensors; write a budget with "
+            "model.elastic.export.extract_budget or model.elastic.slicing.extract instead"
+        )
+
+
+def _is_empty(mask: ModelMask) -> bool:
+    """True when the mask leaves every axis full (the parent itself)."""
+    return mask.hidden is None and all(
+        getattr(lm, f.name) is None for lm in mask.layers for f in dataclasses.fields(lm)
+    )
+
+
+def _sliceable(full: HybridLM) -> bool:
+    """Whether every weight a view would slice is a plain tensor of a plain module.
+
+    Quantized modules (``QuantLinear``, ``QuantExperts``) store packed codes and block scales;
+    slicing those is the quantizer's job, so such a parent is served through the mask.
+    """
+    linears: list[nn.Module] = [full.lm_head]
+    for block in full.model.layers:
+        mixer = block.mixer
+        if block.kind == "mamba":
+            linears += [mixer.in_proj, mixer.out_proj]
+        elif block.kind == "attention":
+            linears += [mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj]
+        elif block.kind == "moe":
+            if not isinstance(mixer.experts, Experts):
+                return False
+            if mixer.shared_experts is not None:
+                linears += [mixer.shared_experts.up_proj, mixer.shared_experts.down_proj]
+        else:
+            linears += [mixer.up_proj, mixer.down_proj]
+    return all(type(m) is nn.Linear for m in linears) and type(full.model.embeddings) is nn.Embedding
+
+
+@torch.no_grad()
+def budget_model(
+    full: HybridLM,
+    arch: Architecture,
+    depth_order: Sequence[int] | None = None,
+    space: ElasticSpace | None = None,
+    prefer: Mode = "view",
+    name: str | None = None,
+) -> BudgetModel:
+    """The budget ``arch`` of ``full`` without copying its weights (see the module docstring).
+
+    Returns a view model unless ``prefer="masked"`` or the parent is quantized; then the masked
+    parent. Raises ``ValueError`` for an invalid architecture.
+    """
+    if prefer not in ("view", "masked"):
+        raise ValueError(f"prefer: expected 'view' or 'masked', got {prefer!r}")
+    config = full.config
+    res = arch.resolve(config, space, depth_order)
+    if prefer == "masked" or not _sliceable(full):
+        mask = hard_mask(config, arch, depth_order, full.device, space)
+        kept = tuple(range(len(res.layers)))  # dropped layers stay in the stack (gated off), and in the cache
+        return BudgetModel(config, full.model, full.lm_head, "masked", kept, None if _is_empty(mask) else mask, name)
+    new_config = extract_config(config, arch, depth_order, space, allow_per_layer=True)
+    per_layer = layer_configs(config, arch, depth_order, space)
+    h = res.hidden
+    with torch.device("meta"):
+        shell = HybridLM(new_config)  # meta tensors cost nothing; every one is replaced below
+        shell.model.layers = nn.ModuleList(Block(lc, la.kind) for lc, la in zip(per_layer, res.kept, strict=True))
+    backbone, lm_head = shell.model, shell.lm_head
+    backbone.embeddings.weight = _param(full.model.embeddings.weight.detach()[:, :h])
+    backbone.norm_f.weight = _param(full.model.norm_f.weight.detach()[:h])
+    lm_head.weight = _param(full.lm_head.weight.detach()[:, :h])
+    for dst_block, la, lc in zip(backbone.layers, res.kept, per_layer, strict=True):
+        src_block = full.model.layers[la.index]
+        dst_block.norm.weight = _param(src_block.norm.weight.detach()[:h])
+        if la.kind == "mamba":
+            _view_mamba(dst_block.mixer, src_block.mixer, config, la, h)
+        elif la.kind == "attention":
+            _view_attention(dst_block.mixer, src_block.mixer, config, la, h)
+        elif la.kind == "moe":
+            _view_moe(dst_block.mixer, src_block.mixer, la, h, lc)
+        else:
+            _view_mlp(dst_block.mixer, src_block.mixer, la.ffn, h)
+    left = [n for n, t in [*backbone.named_parameters(), *backbone.named_buffers()] if t.is_meta]
+    if left or lm_head.weight.is_meta:  # a tensor this module forgot to slice: fail loudly
+        raise RuntimeError(f"budget view left tensors unassigned: {left[:10]}")
+    kept = tuple(la.index for la in res.kept)
+    return BudgetModel(new_config, backbone, lm_head, "view", kept, None, name).train(False)
+
+
+# ---------------------------------------------------------------------- memory accounting
+def _storages(module: nn.Module) -> dict[int, int]:
+    """Storage data pointer -> storage bytes, over parameters and buffers."""
+    out: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        s = t.untyped_storage()
+        out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def copied_bytes(budget: nn.Module, full: nn.Module) -> int:
+    """Bytes of ``budget``'s tensors that live outside ``full``'s storages (what building it allocated)."""
+    own = _storages(full)
+    return sum(n for ptr, n in _storages(budget).items() if ptr not in own)
+
+
+# ---------------------------------------------------------------------- registry
+class BudgetRegistry:
+    """One parent in memory and a :class:`BudgetModel` per budget, largest (by active params) first.
+
+    ``get(name)`` returns the budget's model; unknown names raise ``ValueError`` listing the valid ones.
+    """
+
+    def __init__(
+        self,
+        full: HybridLM,
+        budgets: Mapping[str, Architecture],
+        depth_order: Sequence[int] | None = None,
+        prefer: Mode = "view",
+    ) -> None:
+        if not budgets:
+            raise ValueError("a budget registry needs at least one budget")
+        self.full = full.eval()
+        self.depth_order = list(depth_order) if depth_order is not None else None
+        sized = []
+        for n, a in budgets.items():
+            try:
+                active = count_params(full.config, a, self.depth_order).active
+            except ValueError as err:
+                raise ValueError(f"budget {n!r}: {err}") from None
+            sized.append((n, a, active))
+        sized.sort(key=lambda t: -t[2])  # stable: equal sizes keep the given order
+        self.architectures = {n: a for n, a, _ in sized}
+        self.active_params = {n: p for n, _, p in sized}
+        self._models = {n: budget_model(full, a, self.depth_order, prefer=prefer, name=n) for n, a, _ in sized}
+
+    @property
+    def names(self) -> list[str]:
+        """Budget names, largest first."""
+        return list(self._models)
+
+    def check(self, name: str, field: str = "budget") -> str:
+        """``name`` if it is a budget, else ``ValueError`` naming ``field`` and the valid budgets."""
+        if name not in self._models:
+            raise ValueError(f"{field}: unknown budget {name!r}; valid budgets {self.names}")
+        return name
+
+    def get(self, name: str) -> BudgetModel:
+        return self._models[self.check(name)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def copied_bytes(self) -> dict[str, int]:
+        """Per budget, bytes allocated beyond the parent's weights."""
+        return {n: copied_bytes(m, self.full) for n, m in self._models.items()}
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+    ) -> BudgetRegistry:
+        """Load a checkpoint folder once; budgets from its ``elastic`` section, or one budget ``"full"``."""
+        from model.elastic.export import read_elastic
+
+        folder = Path(path)
+        full = HybridLM.from_pretrained(folder, dtype=dtype)
+        if device is not None:
+            full = full.to(device)
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if "elastic" not in raw:
+            return cls(full, {"full": Architecture()})
+        info = read_elastic(folder)
+        return cls(full, info.architectures, info.depth_order)

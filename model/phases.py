@@ -1,0 +1,319 @@
+"""Two-phase reasoning: think (optionally capped), close the think tag, answer -- on one or two budgets.
+
+Design choices:
+
+* The thinking phase stops when the model emits ``</think>`` (a token id; another think-stop id
+  such as ``<eos>`` also ends it). A cap of T thinking tokens decodes at most T tokens and, if no
+  ``</think>`` came, cuts at the LAST line break inside those T tokens (the line break is kept),
+  or at T when there is none; ``</think>`` is then appended. Cap 0 answers directly. With no cap
+  (``None``) the phase may run to ``think_limit`` tokens and is cut by the same rule if it gets
+  there (``think_stop == "limit"``).
+* Standard budget control (``think_model is answer_model``) continues from the cache: the
+  thinking phase keeps each row's final cache and a snapshot of its Mamba states after its
+  latest line break (a Mamba state cannot be rewound; a KV cache is truncated), so a cut row
+  resumes exactly at its cut and only ``</think>`` (plus, for a row cut at the cap, the one
+  sampled-but-unfed token) is fed before the answer is decoded. No re-prefill.
+* Elastic budget control (two models) re-prefills ``prompt + thinking + </think>`` on the answer
+  model, as the method prescribes. ``carry_state=True`` instead hands the thinking model's
+  caches (Mamba conv/SSM states, attention KV) to the answer model when their shapes agree:
+  hidden size, FFN width and experts never change a cache shape (K/V and SSM states live in head
+  space, and K/V heads never shrink), but different Mamba head counts or kept layers do; then
+  the rows re-prefill and every result says why (``carry_note``). Carried state was computed by
+  the other budget, so it is an approximation except when both models are the same budget.
+* Latency: each phase is one batched call over all prompts (bucketed by length inside); a row's
+  phase time is that call's wall time divided by the number of prompts, so the mean over rows
+  is wall time per problem, and per-phase token counts are reported per row.
+* Sampling uses per-row seeds derived from ``sampling.seed``, distinct for the two phases, so
+  results are deterministic for a fixed seed and do not depend on batch composition.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from model.generate import Decode, RowOutput, RowStart, RowState, SamplingParams, decode_rows, rewind, row_seed
+from model.hybrid import HybridLM
+
+DEFAULT_THINK_LIMIT = 512
+"""Most thinking tokens decoded when no cap is given."""
+
+ThinkStop = Literal["close", "stop", "cap", "limit", "none"]
+AnswerStart = Literal["continued", "carried", "re_prefill", "prefill"]
+
+
+@dataclass(frozen=True)
+class PhaseTokens:
+    """The token ids the two phases need, and an optional ``decode`` (ids -> text) for texts and stop strings.
+
+    ``think_close``: the ``</think>`` id. ``line_breaks``: ids whose text holds a newline (cap cuts).
+    ``answer_stop_ids``: ids that end the answer (e.g. ``<eos>``). ``think_stop_ids``: other ids that
+    end thinking early (e.g. ``<eos>``; ``</think>`` is then appended like after a cut).
+    """
+
+    think_close: int
+    line_breaks: frozenset[int]
+    answer_stop_ids: tuple[int, ...] = ()
+    think_stop_ids: tuple[int, ...] = ()
+    decode: Decode | None = None
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> PhaseTokens:
+        """From a tokenizer with ``think_close_id``, ``eos_id``, ``vocab_size`` and ``decode``
+        (e.g. :class:`~components.data.tokenizer.CharTokenizer`); line breaks found by decoding
+        every id once (O(vocab))."""
+        decode: Callable[[Sequence[int]], str] = tokenizer.decode
+        breaks = frozenset(i for i in range(tokenizer.vocab_size) if "\n" in decode([i]))
+        if not breaks:
+            raise ValueError("tokenizer has no token containing a line break; cap cuts need one")
+        eos = (tokenizer.eos_id,)
+        return cls(tokenizer.think_close_id, breaks, answer_stop_ids=eos, think_stop_ids=eos, decode=decode)
+
+
+@dataclass
+class PhaseResult:
+    """One prompt through both phases.
+
+    ``think_tokens`` is the kept thinking (without ``</think>``); ``think_generated`` counts every
+    token the thinking phase decoded (cut tokens included). ``answer_tokens`` ends with its stop id
+    when one was hit. ``answer_fed``: tokens fed before the answer's first decode step (the
+    re-prefill length, or what a continued row still had to feed). Texts are empty without a decode.
+    """
+
+    think_tokens: list[int]
+    answer_tokens: list[int]
+    think_text: str
+    answer_text: str
+    think_generated: int
+    think_stop: ThinkStop
+    answer_stop: str
+    answer_start: AnswerStart
+    answer_fed: int
+    think_seconds: float
+    answer_seconds: float
+    carry_note: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        """Wall seconds of this request (its share of both batched phases)."""
+        return self.think_seconds + self.answer_seconds
+
+
+def cut_thinking(tokens: Sequence[int], cap: int, line_breaks: frozenset[int]) -> list[int]:
+    """The first ``cap`` tokens cut after their last line break (kept), or all ``cap`` if none."""
+    head = list(tokens[:cap])
+    for j in range(len(head) - 1, -1, -1):
+        if head[j] in line_breaks:
+            return head[: j + 1]
+    return head
+
+
+def kept_thinking(out: RowOutput, cap: int, tokens: PhaseTokens, capped: bool) -> tuple[list[int], ThinkStop]:
+    """The thinking a row keeps (``</think>`` excluded) and why it ended; ``capped``: a cap (not the limit) applied."""
+    if out.stop_reason == "stop_id":
+        return out.tokens[:-1], "close" if out.tokens[-1] == tokens.think_close else "stop"
+    return cut_thinking(out.tokens, cap, tokens.line_breaks), "cap" if capped else "limit"
+
+
+def resume_state(out: RowOutput, target: int) -> RowState | None:
+    """The latest saved state that has consumed at most ``target`` tokens (the rest is fed again)."""
+    if out.state is not None and out.state.length <= target:
+        return out.state
+    if out.state is not None and out.snapshot is not None and out.snapshot.length <= target:
+        return rewind(out.state, out.snapshot)
+    return None
+
+
+_kept, _resume_state = kept_thinking, resume_state  # earlier private names, still imported elsewhere
+
+
+def _layout(model: HybridLM) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """(kept parent layers, per layer (kind, expected conv/K shape, expected SSM/V shape)) of a model."""
+    layers = []
+    for block in model.model.layers:
+        mixer = block.mixer
+        if block.kind == "mamba":
+            conv, ssm = (mixer.conv_dim, mixer.kernel - 1), (mixer.num_heads, mixer.head_dim, mixer.state_size)
+            layers.append(("mamba", conv, ssm))
+        elif block.kind == "attention":
+            kv = (mixer.num_kv_heads, mixer.head_dim)
+            layers.append(("attention", kv, kv))
+        else:
+            layers.append((block.kind, (), ()))
+    kept = getattr(model, "kept_layers", tuple(range(len(layers))))
+    return tuple(kept), layers
+
+
+def carry_incompatibility(think_model: HybridLM, answer_model: HybridLM) -> str | None:
+    """Why the thinking model's caches cannot feed the answer model (None when they can)."""
+    kept_a, layers_a = _layout(think_model)
+    kept_b, layers_b = _layout(answer_model)
+    if kept_a != kept_b:
+        return f"the budgets keep different layers ({list(kept_a)} vs {list(kept_b)})"
+    for i, (a, b) in enumerate(zip(layers_a, layers_b, strict=True)):
+        if a != b:
+            what = "Mamba state shapes" if a[0] == "mamba" else "KV cache shapes"
+            return f"layer {kept_a[i]}: {what} differ ({a[1:]} vs {b[1:]})"
+    return None
+
+
+def _check(think_cap: int | None, answer_max_tokens: int, think_limit: int, prompts: Sequence[Sequence[int]]) -> None:
+    if think_cap is not None and (isinstance(think_cap, bool) or not isinstance(think_cap, int) or think_cap < 0):
+        raise ValueError(f"think_cap: expected None or an integer >= 0, got {think_cap!r}")
+    if answer_max_tokens < 1:
+        raise ValueError(f"answer_max_tokens: expected >= 1, got {answer_max_tokens}")
+    if think_limit < 1:
+        raise ValueError(f"think_limit: expected >= 1, got {think_limit}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def think_then_answer(
+    think_model: HybridLM,
+    answer_model: HybridLM,
+    tokens: PhaseTokens,
+    prompts: Sequence[Sequence[int]],
+    think_cap: int | None,
+    answer_max_tokens: int,
+    sampling: SamplingParams | None = None,
+    carry_state: bool = False,
+    think_limit: int = DEFAULT_THINK_LIMIT,
+) -> list[PhaseResult]:
+    """Think on ``think_model`` (at most ``think_cap`` tokens), then answer on ``answer_model``.
+
+    ``prompts`` are token ids ending where thinking starts (after ``<think>``). ``sampling``
+    gives temperature / top-p / seed (its ``stop_ids`` and ``stop`` strings apply to the answer;
+    its ``max_new_tokens`` is ignored). See the module docstring for caps, continuation and carry.
+    """
+    _check(think_cap, answer_max_tokens, think_limit, prompts)
+    sampling = sampling or SamplingParams()
+    n = len(prompts)
+    if n == 0:
+        return []
+    same = think_model is answer_model
+    keep = same or carry_state
+    cap = think_limit if think_cap is None else think_cap
+    seed = sampling.seed
+    think_seeds = [row_seed(seed, 2 * i) for i in range(n)] if seed is not None else None
+    answer_seeds = [row_seed(seed, 2 * i + 1) for i in range(n)] if seed is not None else None
+
+    # ---- phase 1: thinking
+    outs: list[RowOutput] | None = None
+    think_wall = 0.0
+    if cap > 0:
+        params = replace(sampling, max_new_tokens=cap, stop_ids=(tokens.think_close, *tokens.think_stop_ids), stop=())
+        starts = [RowStart(list(p)) for p in prompts]
+        outs, think_wall = _timed(
+            lambda: decode_rows(
+                think_model,
+                starts,
+                params,
+                decode=tokens.decode,
+                seeds=think_seeds,
+                keep_state=keep,
+                snapshot_ids=sorted(tokens.line_breaks) if keep else (),
+            ),
+            answer_model.device,
+        )
+
+    # ---- between the phases: what the answer phase starts from
+    note = None
+    if outs is not None and not same and carry_state:
+        note = carry_incompatibility(think_model, answer_model)
+    kept_rows: list[tuple[list[int], ThinkStop]] = []
+    answer_starts: list[RowStart] = []
+    modes: list[AnswerStart] = []
+    for i, p in enumerate(prompts):
+        kept, stop = kept_thinking(outs[i], cap, tokens, think_cap is not None) if outs is not None else ([], "none")
+        kept_rows.append((kept, stop))
+        seq = [*p, *kept, tokens.think_close]
+        state = None
+        if outs is not None and (same or (carry_state and note is None)):
+            state = resume_state(outs[i], len(p) + len(kept))
+        if state is not None:
+            answer_starts.append(RowStart(seq[state.length :], state))
+            modes.append("continued" if same else "carried")
+        else:
+            answer_starts.append(RowStart(seq))
+            modes.append("prefill" if outs is None else "re_prefill")
+
+    # ---- phase 2: answering
+    params = replace(
+        sampling,
+        max_new_tokens=answer_max_tokens,
+        stop_ids=(*tokens.answer_stop_ids, *sampling.stop_ids),
+    )
+    answers, answer_wall = _timed(
+        lambda: decode_rows(answer_model, answer_starts, params, decode=tokens.decode, seeds=answer_seeds),
+        answer_model.device,
+    )
+    decode = tokens.decode
+    results = []
+    for i in range(n):
+        kept, stop = kept_rows[i]
+        ans = answers[i]
+        results.append(
+            PhaseResult(
+                think_tokens=kept,
+                answer_tokens=ans.tokens,
+                think_text=decode(kept) if decode else "",
+                answer_text=decode(ans.tokens) if decode else "",
+                think_generated=len(outs[i].tokens) if outs is not None else 0,
+                think_stop=stop,
+                answer_stop=ans.stop_reason,
+                answer_start=modes[i],
+                answer_fed=len(answer_starts[i].tokens),
+                think_seconds=think_wall / n,
+                answer_seconds=answer_wall / n,
+                carry_note=(f"carry_state fell back to re-prefill: {note}" if note else None),
+            )
+        )
+    return results
+
+
+def budget_control(
+    registry: Any,
+    think_budget: str,
+    answer_budget: str,
+    tokens: PhaseTokens,
+    prompts: Sequence[Sequence[int]],
+    think_cap: int | None,
+    answer_max_tokens: int,
+    sampling: SamplingParams | None = None,
+    carry_state: bool = False,
+    allow_think_larger: bool = False,
+    think_limit: int = DEFAULT_THINK_LIMIT,
+) -> list[PhaseResult]:
+    """:func:`think_then_answer` by budget name on a :class:`~model.budget_view.BudgetRegistry`.
+
+    ``think_budget == answer_budget`` is standard budget control; otherwise elastic. Raises
+    ``ValueError`` naming the field for an unknown budget or a bad cap, and for a thinking budget
+    larger (by active parameters) than the answering one unless ``allow_think_larger``.
+    """
+    registry.check(think_budget, "think_budget")
+    registry.check(answer_budget, "answer_budget")
+    _check(think_cap, answer_max_tokens, think_limit, prompts)
+    size_t, size_a = registry.active_params[think_budget], registry.active_params[answer_budget]
+    if size_t > size_a and not allow_think_larger:
+        raise ValueError(
+            f"think_budget {think_budget!r} ({size_t:,} active parameters) is larger than answer_budget "
+            f"{answer_budget!r} ({size_a:,}); set allow_think_larger=True to allow it"
+        )
+    think_model = registry.get(think_budget)
+    answer_model = think_model if think_budget == answer_budget else registry.get(answer_budget)
+    return think_then_answer(
+        think_model, answer_model, tokens, prompts, think_cap, answer_max_tokens, sampling, carry_state, think_limit
+    )
