@@ -224,7 +224,7 @@ STAGES: list[StageSpec] = [
     StageSpec("distill_phase1", ["rank"], build_distill1, run_distill_stage, "elastic distillation, short context"),
     StageSpec("distill_phase2", ["distill_phase1"], build_distill2, run_distill_stage, "elastic distillation, long"),
     StageSpec("export", ["distill_phase2"], build_export, run_export_stage, "one nested checkpoint (router argmax)"),
-    StageSpec("evaluate", ["export"], build_evaluate, run_evaluate_stage, "accuracy/latency per budget, budget control"),
+    StageSpec("evaluate", ["export"], build_evaluate, run_evaluate_stage, "accuracy, latency, budget control"),
     StageSpec("register", ["export", "evaluate"], build_register, run_register_stage, "MLflow model version + gate"),
 ]
 
