@@ -69,6 +69,53 @@ class ParentTrainConfig(BaseModel):
     eval_levels: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6], description="Steps per eval level.")
     eval_per_level: int = Field(50, ge=1, description="Held-out problems per level.")
     log_every: int = Field(25, ge=1, description="Steps between logged metrics.")
+    balance_rate: float = Field(
+        1e-3,
+        ge=0,
+        description="Aux-loss-free load balancing: per step, e_score_correction_bias moves by this much towards "
+        "under-loaded experts (0: off).",
+    )
+
+
+class LoadBalancer:
+    """Aux-loss-free MoE load balancing through ``e_score_correction_bias`` (selection-only bias).
+
+    Each step counts the tokens routed to every expert of every MoE layer and nudges the
+    bias of under-loaded experts up and of over-loaded ones down by ``rate`` (sign update).
+    The bias only changes which experts are selected, never the gate weights, so the
+    balancing costs no gradient interference. Without it a small MoE collapses onto a few
+    experts, which makes expert importance a mere proxy of routing frequency.
+    """
+
+    def __init__(self, model: HybridLM, rate: float) -> None:
+        from model.moe import MoE
+
+        self.rate = rate
+        self.layers = [b.mixer for b in model.model.layers if isinstance(b.mixer, MoE)]
+        self.counts = [torch.zeros(m.gate.num_experts) for m in self.layers]
+        for i, moe in enumerate(self.layers):
+            moe.observer = self._observer(i)
+
+    def _observer(self, i: int):
+        def record(idx: torch.Tensor, weights: torch.Tensor, norms: torch.Tensor) -> None:
+            self.counts[i] += torch.bincount(idx.reshape(-1), minlength=self.counts[i].numel()).float()
+
+        return record
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Apply the update; returns the worst max/mean load ratio over layers (1.0 = balanced)."""
+        worst = 1.0
+        for moe, c in zip(self.layers, self.counts, strict=True):
+            if c.sum() > 0:
+                worst = max(worst, (c.max() / c.mean()).item())
+                moe.gate.e_score_correction_bias += self.rate * torch.sign(c.mean() - c)
+            c.zero_()
+        return worst
+
+    def detach(self) -> None:
+        for moe in self.layers:
+            moe.observer = None
 
 
 def lr_at(step: int, cfg: ParentTrainConfig) -> float:
@@ -121,6 +168,7 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
+    balancer = LoadBalancer(model, cfg.balance_rate) if cfg.balance_rate > 0 else None
     model.train()
     tokens_seen = 0
     start = time.perf_counter()
@@ -135,14 +183,22 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
+        imbalance = balancer.step() if balancer is not None else float("nan")
         tokens_seen += batch.input_ids.numel()
         rate = tokens_seen / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:,.0f}")
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            row = {"loss": loss.item(), "lr": lr_at(step, cfg), "tokens_per_s": rate}
+            row = {
+                "loss": loss.item(),
+                "lr": lr_at(step, cfg),
+                "tokens_per_s": rate,
+                "expert_load_max_over_mean": imbalance,
+            }
             history.append({"step": step, **row})
             tracker.log_metrics(row, step=step)
     train_s = time.perf_counter() - start
+    if balancer is not None:
+        balancer.detach()
     metrics = {"train_seconds": train_s, "tokens_seen": tokens_seen, "final_loss": history[-1]["loss"]}
     metrics.update(evaluate_parent(model, tok, eval_sets))
     metrics["num_parameters"] = model.num_parameters()

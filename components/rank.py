@@ -1,0 +1,337 @@
+"""The rank stage: calibrate the parent, rank every elastic axis, and write the permuted parent.
+
+Flow: load the parent (and its tokenizer) -> build calibration batches from the demo reasoning
+data -> run calibration as Ray tasks, each over its share of the batches -> sum the accumulators
+on the driver -> (optionally) greedy depth ranking on the driver -> permute -> check the permuted
+model against the parent on one batch -> save checkpoint, ``rankings.json`` and a plot -> log.
+
+Design choices:
+
+* Calibration statistics are additive (:class:`~model.elastic.importance.ImportanceAccumulator`),
+  so batches are dealt round-robin to ``num_tasks`` Ray tasks and the returned state dicts are
+  summed; the result does not depend on how the work was split (up to float64 rounding).
+* Batches are rebuilt inside each task from ``(seed, index)`` (the data generator is
+  deterministic), so only a list of indices travels to a task, never tensors.
+* Each task loads the parent itself from ``parent_uri``: a local folder on one machine, or a
+  shared / ``s3://`` location on a cluster (through :func:`components.storage.materialize`).
+* Depth ranking is not additive (each greedy step needs the previous global decision) and runs on
+  the driver over at most ``depth_batches`` batches.
+* Calibration rows are packed (several problems per row, no padding) by default, so padding never
+  dilutes the per-sequence means of the aggregation rule. Prompts of the held-out evaluation sets
+  are excluded, as in parent training.
+* The permuted checkpoint carries the tokenizer and ``rankings.json``. Orders in the rankings
+  refer to the ORIGINAL parent's indices; in the permuted checkpoint every order is the identity
+  (depth indices are unchanged: layers are never moved).
+* Ray is initialised only if nobody did it before (small ``num_cpus``, no dashboard) and shut
+  down again at the end only in that case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch
+from components.data.tokenizer import CONFIG_FILE, TOKENIZER_FILE, CharTokenizer
+from components.tracking import Tracker
+from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
+
+RANKINGS_FILE = "rankings.json"
+PLOT_FILE = "importance.png"
+
+
+class CalibrationConfig(BaseModel):
+    """Which calibration data the parent is run on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_samples: int = Field(256, ge=1, description="Calibration sequences (rows); rounded up to whole batches.")
+    seq_len: int = Field(128, ge=8, description="Tokens per calibration sequence.")
+    batch_size: int = Field(16, ge=1, description="Sequences per forward pass.")
+    seed: int = Field(1234, description="Seed of the calibration data stream (keep it apart from training seeds).")
+    pack: bool = Field(True, description="Pack several problems per row so no padding enters the statistics.")
+    problem: ProblemConfig = Field(default_factory=ProblemConfig, description="Demo reasoning problems.")
+    exclude_eval_levels: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5, 6], description="Held-out eval levels whose prompts are excluded."
+    )
+    exclude_eval_per_level: int = Field(50, ge=0, description="Held-out problems per level to exclude (0: none).")
+    exclude_eval_seed: int = Field(0, description="Seed of the held-out eval sets to exclude.")
+
+    @property
+    def num_batches(self) -> int:
+        return math.ceil(self.num_samples / self.batch_size)
+
+
+class RankConfig(BaseModel):
+    """Settings of the rank stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    parent_uri: str = Field(description="Parent checkpoint folder (nemotron_h safetensors + tokenizer files).")
+    output_dir: str = Field(description="Folder for the permuted checkpoint, rankings.json and the plot.")
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig, description="Calibration data.")
+    axes: list[str] = Field(default_factory=lambda: list(AXES), description=f"Axes to rank, from {list(AXES)}.")
+    depth: bool = Field(False, description="Also rank layers for depth (greedy, O(layers^2) forwards).")
+    depth_batches: int = Field(4, ge=1, description="Calibration batches used by the depth ranking.")
+    expert_score: Literal["reap", "frequency", "reap_sum"] = Field(
+        "reap", description="Expert order: REAP (default), routing frequency, or REAP x frequency."
+    )
+    num_tasks: int = Field(2, ge=1, description="Ray tasks the calibration batches are split over.")
+    cpus_per_task: int = Field(1, ge=1, description="CPUs (and torch threads) per calibration task.")
+    gpus_per_task: float = Field(0.0, ge=0, description="GPUs per calibration task (0: run on CPU).")
+    progress: bool = Field(True, description="Print progress lines (rate and ETA).")
+
+    @field_validator("axes")
+    @classmethod
+    def _known_axes(cls, axes: list[str]) -> list[str]:
+        unknown = sorted(set(axes) - set(AXES))
+        if unknown:
+            raise ValueError(f"unknown axes {unknown}; choose from {list(AXES)} (depth is the 'depth' flag)")
+        return axes
+
+
+class RankOutputs(BaseModel):
+    """What the stage produced (local paths) and its metrics."""
+
+    permuted_uri: str
+    rankings_uri: str
+    plot_uri: str
+    metrics: dict[str, float]
+
+
+# ---------------------------------------------------------------------- calibration data
+def _exclude(cal: CalibrationConfig) -> set[str] | None:
+    if not cal.exclude_eval_per_level or not cal.exclude_eval_levels:
+        return None
+    sets = generate_eval_sets(cal.exclude_eval_levels, cal.exclude_eval_per_level, cal.exclude_eval_seed, cal.problem)
+    return eval_prompts(sets)
+
+
+def calibration_batch(cal: CalibrationConfig, tok: CharTokenizer, index: int, exclude: set[str] | None) -> torch.Tensor:
+    """Input ids (batch_size, seq_len) of calibration batch ``index``."""
+    return make_batch(
+        cal.problem, tok, cal.batch_size, cal.seq_len, cal.seed, index, pack=cal.pack, exclude=exclude
+    ).input_ids
+
+
+def calibrate_share(
+    parent_uri: str, cal: dict[str, Any], indices: list[int], axes: list[str], threads: int, device: str, tag: str
+) -> dict[str, Any]:
+    """One Ray task: calibrate the parent on batches ``indices``; returns an accumulator state dict."""
+    from components.storage import materialize
+    from model.hybrid import HybridLM
+
+    torch.set_num_threads(threads)
+    cfg = CalibrationConfig.model_validate(cal)
+    folder = materialize(parent_uri)
+    tok = CharTokenizer.load(folder)
+    model = HybridLM.from_pretrained(folder).to(device)
+    exclude = _exclude(cfg)
+    acc = ImportanceAccumulator()
+    start = time.perf_counter()
+    for n, index in enumerate(indices, 1):
+        calibrate(model, [calibration_batch(cfg, tok, index, exclude)], axes, progress=False, acc=acc)
+        if n % max(1, len(indices) // 4) == 0 or n == len(indices):
+            rate = n / (time.perf_counter() - start)
+            print(f"[rank {tag}] {n}/{len(indices)} batches, {rate:.2f} batch/s", flush=True)
+    return acc.state_dict()
+
+
+def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
+    """Deal the batches to ``num_tasks`` Ray tasks and sum their accumulators, printing rate and ETA."""
+    import ray
+
+    cal = config.calibration
+    indices = list(range(cal.num_batches))
+    n_tasks = min(config.num_tasks, len(indices))
+    shares = [indices[t::n_tasks] for t in range(n_tasks)]
+    device = "cuda" if config.gpus_per_task > 0 else "cpu"
+    task = ray.remote(calibrate_share).options(num_cpus=config.cpus_per_task, num_gpus=config.gpus_per_task)
+    args = (config.parent_uri, cal.model_dump(), list(config.axes), config.cpus_per_task, device)
+    refs = {task.remote(args[0], args[1], share, *args[2:], tag=str(t)): len(share) for t, share in enumerate(shares)}
+    acc = ImportanceAccumulator()
+    done_batches, start, pending = 0, time.perf_counter(), list(refs)
+    total = len(indices)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            acc.merge(ImportanceAccumulator.from_state_dict(ray.get(ref)))
+            done_batches += refs[ref]
+        if config.progress:
+            elapsed = time.perf_counter() - start
+            rate = done_batches / elapsed
+            eta = (total - done_batches) / rate if rate > 0 else float("nan")
+            print(
+                f"[rank] calibration: {n_tasks - len(pending)}/{n_tasks} tasks, {done_batches}/{total} batches, "
+                f"{rate:.2f} batch/s, ETA {eta:.0f}s",
+                flush=True,
+            )
+    return acc
+
+
+# ---------------------------------------------------------------------- the stage
+def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
+    """Rank and permute the parent; see the module docstring for the steps and the outputs."""
+    import ray
+
+    from components.storage import materialize
+    from model.elastic.depth import depth_ranking
+    from model.elastic.permute import apply_rankings
+    from model.hybrid import HybridLM
+
+    t0 = time.perf_counter()
+    tracker.log_params(config.model_dump(mode="json"))
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parent_dir = materialize(config.parent_uri)
+    tok = CharTokenizer.load(parent_dir)
+    model = HybridLM.from_pretrained(parent_dir)
+
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=max(2, config.num_tasks * config.cpus_per_task), include_dashboard=False)
+    try:
+        t_cal = time.perf_counter()
+        acc = _run_calibration(config)
+        cal_s = time.perf_counter() - t_cal
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+    cal = config.calibration
+    exclude = _exclude(cal)
+    depth, depth_s = None, 0.0
+    if config.depth:
+        t_depth = time.perf_counter()
+        batches = [calibration_batch(cal, tok, i, exclude) for i in range(min(config.depth_batches, cal.num_batches))]
+        depth = depth_ranking(model, batches, progress=config.progress)
+        depth_s = time.perf_counter() - t_depth
+    rankings = rankings_from_accumulator(acc, model.config, config.axes, config.expert_score, depth)
+    if depth is not None:
+        rankings.axes.append("depth")
+
+    # the permuted model must compute what the parent did: check on one batch before saving
+    check_ids = calibration_batch(cal, tok, 0, exclude)[:4]
+    with torch.no_grad():
+        before = model(check_ids).logits.float()
+        apply_rankings(model, rankings)
+        diff = (model(check_ids).logits.float() - before).abs().max().item()
+    scale = max(1.0, before.abs().max().item())
+    exact_dtype = model.lm_head.weight.dtype == torch.float32
+    if not math.isfinite(diff) or (exact_dtype and diff > 1e-4 * scale):
+        raise RuntimeError(f"permuted parent differs from the parent by {diff:.3g} in logits (scale {scale:.3g})")
+
+    rankings_path = out / RANKINGS_FILE
+    rankings_path.write_text(json.dumps(rankings.to_dict(), indent=1) + "\n")
+    extra = {name: parent_dir / name for name in (TOKENIZER_FILE, CONFIG_FILE) if (parent_dir / name).exists()}
+    extra[RANKINGS_FILE] = rankings_path
+    permuted = model.save_pretrained(out / "permuted", extra_files=extra)
+    plot_path = plot_rankings(rankings, out / PLOT_FILE)
+
+    metrics = {
+        "calibration_batches": float(acc.num_batches),
+        "calibration_sequences": float(acc.num_sequences),
+        "calibration_tokens": float(acc.num_tokens),
+        "calibration_seconds": cal_s,
+        "calibration_tokens_per_s": acc.num_tokens / cal_s if cal_s > 0 else 0.0,
+        "depth_seconds": depth_s,
+        "permute_max_abs_logit_diff": diff,
+        "rank_seconds": time.perf_counter() - t0,
+    }
+    overlap = reap_frequency_overlap(rankings)
+    if overlap is not None:
+        metrics["experts_top_half_overlap_reap_vs_frequency"] = overlap
+    tracker.log_metrics(metrics)
+    tracker.log_artifact(rankings_path)
+    tracker.log_artifact(plot_path)
+    tracker.set_tags({"rank.permuted_uri": str(permuted.resolve()), "rank.rankings_uri": str(rankings_path.resolve())})
+    return RankOutputs(
+        permuted_uri=str(permuted.resolve()),
+        rankings_uri=str(rankings_path.resolve()),
+        plot_uri=str(plot_path.resolve()),
+        metrics=metrics,
+    )
+
+
+def reap_frequency_overlap(rankings: Rankings) -> float | None:
+    """Mean over MoE layers of |top half by REAP & top half by frequency| / half (1: same experts kept)."""
+    values = []
+    for lr in rankings.layers:
+        if lr.expert_reap is None or lr.expert_frequency is None:
+            continue
+        half = max(1, len(lr.expert_reap) // 2)
+        reap = set(torch.tensor(lr.expert_reap).argsort(descending=True, stable=True)[:half].tolist())
+        freq = set(torch.tensor(lr.expert_frequency).argsort(descending=True, stable=True)[:half].tolist())
+        values.append(len(reap & freq) / half)
+    return sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------------- plot
+def plot_rankings(rankings: Rankings, path: Path) -> Path:
+    """One panel per axis: per layer, the scores in storage order divided by the layer's maximum."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, list[tuple[str, list[float], str]]]] = []
+    if rankings.hidden is not None:
+        panels.append(("hidden", [("all layers", _sorted(rankings.hidden.scores, rankings.hidden.order), "-")]))
+    for axis in ("mamba_heads", "attn_heads", "mlp_ffn", "shared_ffn", "moe_ffn", "experts"):
+        curves = []
+        for i, lr in enumerate(rankings.layers):
+            if axis == "moe_ffn" and lr.moe_ffn:
+                per_expert = torch.tensor([_sorted(r.scores, r.order) for r in lr.moe_ffn])
+                curves.append((f"L{i} (mean of experts)", per_expert.mean(0).tolist(), "-"))
+            elif axis == "experts" and lr.experts is not None:
+                curves.append((f"L{i} REAP", _sorted(lr.expert_reap or [], lr.experts.order), "-"))
+                freq = lr.expert_frequency or []
+                order = torch.tensor(freq).argsort(descending=True, stable=True).tolist()
+                curves.append((f"L{i} frequency", _sorted(freq, order), "--"))
+            elif axis not in ("moe_ffn", "experts") and getattr(lr, axis, None) is not None:
+                r = getattr(lr, axis)
+                curves.append((f"L{i}", _sorted(r.scores, r.order), "-"))
+        if curves:
+            panels.append((axis, curves))
+    if rankings.depth is not None:
+        panels.append(("depth", []))
+    cols = min(3, max(1, len(panels)))
+    rows = math.ceil(len(panels) / cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (name, curves) in zip(axes.flat, panels, strict=False):
+        if name == "depth" and rankings.depth is not None:
+            d = rankings.depth
+            ax.bar(range(len(d.single_scores)), d.single_scores, color="tab:gray")
+            ax.set_xlabel("layer (label: greedy removal step)")
+            ax.set_ylabel("nMSE, layer removed alone")
+            for step, layer in enumerate(d.removal_order):
+                ax.annotate(str(step), (layer, d.single_scores[layer]), ha="center", va="bottom", fontsize=7)
+        else:
+            for label, values, style in curves:
+                ax.plot(range(len(values)), values, style, label=label, linewidth=1.2)
+            grouped = name in ("mamba_heads", "attn_heads")
+            ax.set_xlabel("storage position" + (" (sorted inside each group)" if grouped else ""))
+            ax.set_ylabel("score / layer max")
+            if len(curves) <= 8:
+                ax.legend(fontsize=6)
+        ax.set_title(name)
+    fig.suptitle(f"importance after ranking ({rankings.num_tokens:,} calibration tokens)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _sorted(scores: list[float], order: list[int]) -> list[float]:
+    """Scores in storage order, divided by their maximum (so layers of different scale compare)."""
+    values = [scores[j] for j in order]
+    top = max((abs(v) for v in values), default=0.0) or 1.0
+    return [v / top for v in values]

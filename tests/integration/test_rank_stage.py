@@ -1,0 +1,103 @@
+"""The rank stage end to end: real local Ray tasks, an MLflow tracker on SQLite, a tiny random parent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from components.data import ProblemConfig
+from components.data.tokenizer import CharTokenizer
+from components.rank import CalibrationConfig, RankConfig, run_rank
+from components.tracking import MlflowTracker
+from model.config import HybridConfig
+from model.elastic.importance import Rankings
+from model.hybrid import HybridLM
+from tests.conftest import TINY
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ray_runtime():
+    """One local Ray runtime for the module (reused if another test already started one)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The driver's tiny forwards run fastest single-threaded (Ray tasks get one CPU each anyway)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def parent_dir(tmp_path):
+    """A randomly initialised tiny parent with the demo tokenizer beside it (the layout the stage expects)."""
+    tok = CharTokenizer()
+    cfg = HybridConfig(**{**TINY, "vocab_size": tok.vocab_size, "n_routed_experts": 6})
+    model = HybridLM(cfg).init_weights(3)
+    with torch.no_grad():  # random norms and bias so a permutation slip would show in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        for block in model.model.layers:
+            if block.kind == "moe":
+                block.mixer.gate.e_score_correction_bias.normal_(0, 0.2)
+    tok_dir = tok.save(tmp_path / "tok")
+    return model.save_pretrained(tmp_path / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
+
+
+def test_rank_stage_end_to_end(ray_runtime, parent_dir, tmp_path):
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "rank-test", run_name="rank")
+    config = RankConfig(
+        parent_uri=str(parent_dir),
+        output_dir=str(tmp_path / "rank"),
+        calibration=CalibrationConfig(
+            num_samples=16, seq_len=48, batch_size=4, problem=ProblemConfig(max_steps=4), exclude_eval_per_level=5
+        ),
+        depth=True,
+        depth_batches=1,
+        num_tasks=2,
+    )
+    out = run_rank(config, tracker)
+    tracker.finish()
+
+    # outputs exist and hold what they should
+    with open(out.rankings_uri) as fh:
+        rankings = Rankings.from_dict(json.load(fh))
+    assert rankings.num_sequences == 16 and rankings.depth is not None
+    with open(out.plot_uri, "rb") as fh:
+        assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert {"tokenizer.json", "tokenizer_config.json", "rankings.json"} <= {
+        p.name for p in parent_dir.parent.glob("rank/permuted/*")
+    }
+    CharTokenizer.load(out.permuted_uri)  # the tokenizer travels with the checkpoint
+    assert out.metrics["calibration_tokens"] == 16 * 48
+    assert out.metrics["permute_max_abs_logit_diff"] <= 1e-5
+
+    # the permuted checkpoint computes what the parent does, and something did move
+    parent, permuted = HybridLM.from_pretrained(parent_dir), HybridLM.from_pretrained(out.permuted_uri)
+    ids = torch.randint(0, parent.config.vocab_size, (2, 21))
+    assert (permuted(ids).logits - parent(ids).logits).abs().max().item() <= 1e-5
+    assert not torch.equal(permuted.model.embeddings.weight, parent.model.embeddings.weight)
+
+    # the MLflow run has the whole config as params, the metrics and the artifacts
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.data.params["num_tasks"] == "2"
+    assert run.data.params["calibration.batch_size"] == "4"
+    assert json.loads(run.data.params["axes"]) == config.axes
+    assert run.data.metrics["calibration_tokens"] == 16 * 48
+    artifacts = {a.path for a in tracker.client.list_artifacts(tracker.run_id)}
+    assert {"rankings.json", "importance.png"} <= artifacts
+    assert run.info.status == "FINISHED"
