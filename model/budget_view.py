@@ -445,10 +445,16 @@ class BudgetRegistry:
         from model.elastic.export import read_elastic
 
         folder = Path(path)
-        full = HybridLM.from_pretrained(folder, dtype=dtype)
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if raw.get("quantization_config"):
+            # quantized weights: budgets fall back to masks over the one quantized weight set
+            from model.quant import load_quantized_model
+
+            full = load_quantized_model(folder, dtype=dtype)
+        else:
+            full = HybridLM.from_pretrained(folder, dtype=dtype)
         if device is not None:
             full = full.to(device)
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         if "elastic" not in raw:
             return cls(full, {"full": Architecture()})
         info = read_elastic(folder)

@@ -200,6 +200,28 @@ def run_evaluate_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
     }
 
 
+# ---------------------------------------------------------------------- quantize
+def build_quantize(ctx: StageContext) -> BaseModel:
+    from components.quantize import QuantizeConfig
+
+    # recovery needs accuracy per budget only: full thinking, no cap sweep, no elastic pairs
+    ev = {k: v for k, v in ctx.pipeline.evaluate.items() if k not in ("think_caps", "elastic_pairs")}
+    ev.update({"think_caps": [None], "elastic_pairs": [], "carry_state_compare": False, "progress": False})
+    base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "evaluate": ev}
+    return QuantizeConfig(**_merge(base, ctx.pipeline.quantize))
+
+
+def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    from components.quantize import run_quantize
+
+    baseline = ctx.outputs("evaluate").get("accuracy", {})
+    if baseline and not cfg.baseline_accuracy:
+        cfg = cfg.model_copy(update={"baseline_accuracy": baseline})
+    out = run_quantize(cfg, tracker).model_dump()
+    out["recovery"] = out.pop("recovery_by_format")
+    return out
+
+
 # ---------------------------------------------------------------------- register
 def build_register(ctx: StageContext) -> BaseModel:
     from components.register import RegisterConfig
@@ -225,7 +247,10 @@ STAGES: list[StageSpec] = [
     StageSpec("distill_phase2", ["distill_phase1"], build_distill2, run_distill_stage, "elastic distillation, long"),
     StageSpec("export", ["distill_phase2"], build_export, run_export_stage, "one nested checkpoint (router argmax)"),
     StageSpec("evaluate", ["export"], build_evaluate, run_evaluate_stage, "accuracy, latency, budget control"),
-    StageSpec("register", ["export", "evaluate"], build_register, run_register_stage, "MLflow model version + gate"),
+    StageSpec("quantize", ["export", "evaluate"], build_quantize, run_quantize_stage, "FP8 / NVFP4 nested checkpoints"),
+    StageSpec(
+        "register", ["export", "evaluate", "quantize"], build_register, run_register_stage, "MLflow version + gate"
+    ),
 ]
 
 

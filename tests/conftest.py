@@ -34,8 +34,12 @@ def tiny_config() -> HybridConfig:
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
+    # tiny models run fastest on one thread, and tests must not oversubscribe a shared CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     yield
+    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------- real services on loopback
@@ -81,7 +85,7 @@ def mlflow_server(tmp_path_factory):
         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
         "--artifacts-destination", str(root / "artifacts"),
     ]  # fmt: skip
-    log = open(root / "server.log", "w")
+    log = open(root / "server.log", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 120, "mlflow server")
@@ -117,7 +121,7 @@ def s3_server(tmp_path_factory):
         "-bucket=test-bucket", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
         f"-filer.port={ports['filer']}", f"-admin.port={ports['admin']}", f"-webdav.port={ports['webdav']}",
     ]  # fmt: skip
-    log = open(root / "weed.log", "w")
+    log = open(root / "weed.log", "w")  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     os.environ.update(

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 def _budgets(acc_full: float, acc_small: float) -> list[dict]:
     return [
         {"name": "full", "architecture": {}, "total_params": 100, "active_params": 50, "accuracy": acc_full},
-        {"name": "small", "architecture": {"hidden": 16}, "total_params": 60, "active_params": 28, "accuracy": acc_small},
+        {"name": "small", "architecture": {"hidden": 16}, "total_params": 60, "active_params": 28}
+        | {"accuracy": acc_small},
     ]
 
 

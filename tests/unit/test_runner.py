@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ConfigDict
@@ -28,7 +29,7 @@ def _stages(settings: dict, calls: list[str], fail: set[str] | None = None) -> l
             calls.append(name)
             if name in fail:
                 raise RuntimeError(f"{name} broke")
-            prev = open(cfg.upstream).read() if cfg.upstream else ""
+            prev = Path(cfg.upstream).read_text() if cfg.upstream else ""
             (ctx.dir() / "out.txt").write_text(prev + f"{name}={cfg.value};")
             return {"out": str(ctx.dir() / "out.txt")}
 

@@ -1,0 +1,477 @@
+"""Quantized checkpoints: calibrate, quantize a (nested) checkpoint once, write it, load it back.
+
+Layout (one folder, the keys and config serving engines read for ModelOpt-style checkpoints):
+
+* ``model.safetensors``: for a quantized projection ``X`` (e.g. ``model.layers.0.mixer.in_proj``)
+  ``X.weight`` (fp8: ``float8_e4m3fn`` (out, in); nvfp4: ``uint8`` (out, in/2), two E2M1 codes a
+  byte), ``X.weight_scale`` (fp8: fp32 scalar; nvfp4: ``float8_e4m3fn`` (out, in/16) block
+  scales), ``X.weight_scale_2`` (nvfp4: fp32 global scale) and ``X.input_scale`` (fp8: static
+  fp32 activation scale). Routed experts are written PER EXPERT,
+  ``model.layers.{i}.mixer.experts.{j}.up_proj.weight`` and so on, each expert with its own
+  scales. Everything else (embeddings, norms, routers, ``lm_head``, Mamba conv / A / D, and the
+  projections the preset keeps) stays dense in the source dtype.
+* ``config.json``: the source config (its ``elastic`` section untouched) plus
+  ``quantization_config = {"quant_method": "modelopt", "quant_algo": "FP8" | "NVFP4",
+  "group_size": 16 | null, "ignore": [...], "exclude_modules": [...], "kv_cache_quant_algo": null,
+  "preset": ..., "activation_scheme": "static" | null}``; ``ignore`` (and its alias
+  ``exclude_modules``, the spelling some engines read) lists the linear-like modules kept in high
+  precision.
+* ``manifest.json`` with SHA-256 of every file, and the tokenizer files copied from the source.
+
+Design choices:
+
+* The file is the state dict of the in-memory quantized model (:func:`quantize_model`): the
+  :class:`~model.quant.qlinear.QuantLinear` and :class:`~model.quant.experts.QuantExperts`
+  buffers are named like the file keys, so writing and loading need no renaming and
+  :func:`load_quantized_model` rebuilds exactly the module tree that was saved (which projections
+  are quantized is read from the keys that carry a ``weight_scale``).
+* FP8 activation scales come from calibration: forward pre-hooks record the input amax of every
+  quantized projection; for the routed experts a hook on the experts module recomputes each
+  expert's inputs from the routing, so every expert gets its own ``input_scale`` for ``up_proj``
+  and ``down_proj``. An expert no calibration token was routed to takes the largest amax of its
+  layer's experts. A per-tensor scale cannot be sliced, so calibration runs under every budget's
+  hard mask as well as on the full model and keeps the maximum: the one scale covers every
+  nested sub-model.
+* NVFP4 alignment of the nested widths is checked before any work
+  (:func:`model.quant.nesting.check_nvfp4_alignment`); with ``ElasticSpace(nvfp4_aligned=True)``
+  the same problem is caught earlier, when the space is configured.
+* NVFP4 is weight-only here (W4A16): engines that run NVFP4 activations calibrate their own
+  activation scales, so none is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from model.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    atomic_folder,
+    check_state,
+    load_model,
+    read_tensors,
+    verify_manifest,
+    write_manifest,
+)
+from model.config import HybridConfig
+from model.hybrid import HybridLM
+from model.masks import ModelMask
+from model.mlp import relu2
+from model.moe import Experts, MoE, TopKRouter
+
+from .experts import DEFAULT_CACHE_DEQUANTIZED, QuantExperts
+from .fp8 import FP8_DTYPE, AmaxObserver
+from .nvfp4 import NVFP4_BLOCK_SIZE
+from .qlinear import QUANT_FORMATS, QUANT_PRESETS, QuantFormat, QuantLinear, QuantPreset, quantize_module
+
+__all__ = [
+    "QUANT_ALGOS",
+    "calibrate_input_amax",
+    "dequantize_model",
+    "kept_dense_names",
+    "build_quantized_model",
+    "load_quantized_model",
+    "quantization_config",
+    "quantize_checkpoint",
+    "quantize_model",
+    "quantized_format",
+    "read_quantized_tensors",
+    "synthetic_calibration_batches",
+]
+
+QUANT_ALGOS: dict[str, str] = {"fp8": "FP8", "nvfp4": "NVFP4"}
+"""Our format name -> ``quant_algo`` in ``quantization_config``."""
+
+_SCALE_KEYS = ("weight_scale", "weight_scale_2", "input_scale")
+
+
+def _preset(preset: str | QuantPreset) -> QuantPreset:
+    if isinstance(preset, QuantPreset):
+        return preset
+    if preset not in QUANT_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(QUANT_PRESETS)}")
+    return QUANT_PRESETS[preset]
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {list(QUANT_FORMATS)}")
+
+
+def _moe_layers(model: HybridLM) -> list[tuple[str, MoE]]:
+    """``(qualified name of the MoE mixer, mixer)`` for every MoE layer."""
+    return [(f"model.layers.{i}.mixer", b.mixer) for i, b in enumerate(model.model.layers) if b.kind == "moe"]
+
+
+# ---------------------------------------------------------------------- calibration
+def synthetic_calibration_batches(vocab_size: int, n: int = 4, seq_len: int = 64, seed: int = 0) -> list[Tensor]:
+    """``n`` random token batches (2, seq_len): a stand-in when no calibration data is given.
+
+    Real text gives tighter, more representative activation ranges; the quantize stage passes
+    batches of the task's data.
+    """
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (2, seq_len), generator=g) for _ in range(n)]
+
+
+@torch.no_grad()
+def calibrate_input_amax(
+    model: HybridLM,
+    batches: Iterable[Tensor],
+    masks: Sequence[ModelMask | None] = (None,),
+    preset: str | QuantPreset = "all",
+) -> dict[str, Tensor]:
+    """Observed input amax of every projection ``preset`` would quantize, over ``batches`` x ``masks``.
+
+    Args:
+        model: the unquantized model.
+        batches: token ids, each (batch, seq).
+        masks: run every batch once per mask (``None``: the full model).
+        preset: which projections to observe.
+
+    Returns:
+        ``{qualified name: fp32 scalar}``; routed experts as ``...mixer.experts.{j}.up_proj`` /
+        ``.down_proj`` (see the module docstring for experts no token reached).
+    """
+    preset = _preset(preset)
+    observers: dict[str, AmaxObserver] = {}
+    handles = []
+
+    def linear_hook(name: str):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            observers.setdefault(name, AmaxObserver()).update(args[0])
+
+        return hook
+
+    def experts_hook(name: str):
+        def hook(module: Experts, args: tuple, kwargs: dict) -> None:
+            names = ("x", "idx", "weights", "ffn_mask", "observer")
+            bound = dict(zip(names, args, strict=False)) | kwargs
+            x, idx, ffn_mask = bound["x"], bound["idx"], bound.get("ffn_mask")
+            for e in idx.unique().tolist():
+                xs = x[(idx == e).any(-1)]
+                observers.setdefault(f"{name}.{e}.up_proj", AmaxObserver()).update(xs)
+                h = relu2(xs @ module.up_proj[e].t())
+                if ffn_mask is not None:
+                    h = h * ffn_mask.to(h.dtype)
+                observers.setdefault(f"{name}.{e}.down_proj", AmaxObserver()).update(h)
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and preset.should_quantize(name):
+            handles.append(module.register_forward_pre_hook(linear_hook(name)))
+    moe_names = []
+    for name, moe in _moe_layers(model):
+        if isinstance(moe.experts, Experts) and preset.should_quantize(f"{name}.experts.up_proj"):
+            moe_names.append((f"{name}.experts", moe.experts.num_experts))
+            handles.append(moe.experts.register_forward_pre_hook(experts_hook(f"{name}.experts"), with_kwargs=True))
+    was_training = model.training
+    model.eval()
+    try:
+        for ids in batches:
+            for mask in masks:
+                model(ids.to(model.device), mask=mask)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    amax = {name: obs.amax for name, obs in observers.items()}
+    for prefix, n_experts in moe_names:  # unrouted experts: the layer's largest observed amax
+        for proj in ("up_proj", "down_proj"):
+            seen = [amax[f"{prefix}.{j}.{proj}"] for j in range(n_experts) if f"{prefix}.{j}.{proj}" in amax]
+            fallback = torch.stack(seen).max() if seen else torch.zeros(())
+            for j in range(n_experts):
+                amax.setdefault(f"{prefix}.{j}.{proj}", fallback.clone())
+    return amax
+
+
+# ---------------------------------------------------------------------- in-memory quantization
+@torch.no_grad()
+def quantize_model(
+    model: HybridLM,
+    fmt: QuantFormat,
+    preset: str | QuantPreset = "default",
+    input_amax: dict[str, Tensor] | None = None,
+    cache_dequantized: bool = DEFAULT_CACHE_DEQUANTIZED,
+) -> list[str]:
+    """Quantize ``model`` in place: the preset's projections and every routed expert.
+
+    Args:
+        model: an unquantized :class:`HybridLM`.
+        fmt: ``"fp8"`` or ``"nvfp4"``.
+        preset: which projections stay dense (lm_head, routers and non-linear tensors always do).
+        input_amax: from :func:`calibrate_input_amax`; sets fp8 ``input_scale`` (ignored for nvfp4).
+        cache_dequantized: passed to every quantized module.
+
+    Returns:
+        Sorted qualified names of the quantized projections (experts as ``...experts.{j}.up_proj``).
+    """
+    _check_format(fmt)
+    preset = _preset(preset)
+    h = model.config.hidden_size
+    experts_to_quantize = []
+    for name, moe in _moe_layers(model):
+        if not (isinstance(moe.experts, Experts) and preset.should_quantize(f"{name}.experts.up_proj")):
+            continue
+        e, f, _ = moe.experts.up_proj.shape
+        if fmt == "nvfp4" and (f % NVFP4_BLOCK_SIZE or h % NVFP4_BLOCK_SIZE):
+            raise ValueError(
+                f"{name}.experts: hidden={h}, moe_intermediate_size={f}; NVFP4 needs both (the input "
+                f"dimensions of up_proj and down_proj) to be multiples of {NVFP4_BLOCK_SIZE}"
+            )
+        experts_to_quantize.append((name, moe, e))
+    names = quantize_module(model, fmt, preset, cache_dequantized)
+    use_amax = input_amax if fmt == "fp8" else None
+    if use_amax is not None:
+        for name in names:
+            if name in use_amax:
+                model.get_submodule(name).calibrate_input_scale(use_amax[name])
+    for name, moe, e in experts_to_quantize:
+        up = down = None
+        if use_amax is not None and f"{name}.experts.0.up_proj" in use_amax:
+            up = torch.stack([use_amax[f"{name}.experts.{j}.up_proj"] for j in range(e)])
+            down = torch.stack([use_amax[f"{name}.experts.{j}.down_proj"] for j in range(e)])
+        moe.experts = QuantExperts.from_experts(moe.experts, fmt, cache_dequantized, up, down)
+        names += [f"{name}.experts.{j}.{p}" for j in range(e) for p in ("up_proj", "down_proj")]
+    return sorted(names)
+
+
+def kept_dense_names(model: nn.Module) -> list[str]:
+    """Linear-like modules left in high precision: dense ``nn.Linear`` layers and MoE routers."""
+    return sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear | TopKRouter | Experts) and n)
+
+
+def quantized_format(model: nn.Module) -> str | None:
+    """``"fp8"`` / ``"nvfp4"`` when ``model`` holds quantized projections, else ``None``."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            return m.fmt
+    return None
+
+
+def quantization_config(fmt: QuantFormat, ignore: Sequence[str], preset: str) -> dict[str, Any]:
+    """The ``quantization_config`` section of ``config.json`` (see the module docstring)."""
+    _check_format(fmt)
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": QUANT_ALGOS[fmt],
+        "group_size": NVFP4_BLOCK_SIZE if fmt == "nvfp4" else None,
+        "activation_scheme": "static" if fmt == "fp8" else None,
+        "ignore": list(ignore),
+        "exclude_modules": list(ignore),
+        "kv_cache_quant_algo": None,
+        "preset": preset,
+    }
+
+
+# ---------------------------------------------------------------------- writing
+def quantize_checkpoint(
+    src_dir: str | Path,
+    out_dir: str | Path,
+    fmt: QuantFormat,
+    preset: str = "default",
+    calib_batches: Iterable[Tensor] | None = None,
+    calibrate_budgets: bool = True,
+    dense_dtype: torch.dtype | None = None,
+) -> Path:
+    """Quantize a (nested) checkpoint once and write it as a quantized checkpoint folder.
+
+    Args:
+        src_dir: an unquantized ``nemotron_h`` checkpoint, usually nested (``elastic`` section).
+        out_dir: the folder to write (replaced atomically if it exists).
+        fmt: ``"fp8"`` or ``"nvfp4"``.
+        preset: ``"default"`` | ``"conservative"`` | ``"all"`` (see :data:`QUANT_PRESETS`).
+        calib_batches: token id batches (batch, seq) for the fp8 activation scales; ``None`` uses
+            :func:`synthetic_calibration_batches`. Unused for nvfp4.
+        calibrate_budgets: also calibrate under every budget's hard mask (module docstring).
+        dense_dtype: dtype of the tensors kept in high precision (e.g. ``torch.bfloat16``, what
+            serving engines load); ``None`` keeps the source dtype. Scales and the router's
+            selection bias stay fp32 either way.
+
+    Returns:
+        ``out_dir``. Raises ``ValueError`` for an already quantized source, an unknown format or
+        preset, and (nvfp4) a nested width that splits a 16-element block, naming axis and width.
+    """
+    from model.quant.nesting import budget_architectures, check_nvfp4_alignment  # nesting imports this module
+
+    _check_format(fmt)
+    preset_obj = _preset(preset)
+    src = Path(src_dir)
+    raw = json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")) if (src / CONFIG_NAME).exists() else {}
+    if raw.get("quantization_config"):
+        raise ValueError(f"{src}: already quantized ({raw['quantization_config'].get('quant_algo')}); start from bf16")
+    model = load_model(src)  # verifies the manifest
+    config: HybridConfig = model.config
+    archs, depth_order = budget_architectures(src)
+    if fmt == "nvfp4":
+        check_nvfp4_alignment(config, archs, depth_order, preset_obj)
+    amax = None
+    if fmt == "fp8":
+        from model.elastic.build_masks import hard_mask
+
+        batches = list(calib_batches) if calib_batches is not None else synthetic_calibration_batches(config.vocab_size)
+        masks: list[ModelMask | None] = [None]
+        if calibrate_budgets:
+            masks += [hard_mask(config, a, depth_order) for a in archs.values() if a.to_dict()]
+        amax = calibrate_input_amax(model, batches, masks, preset_obj)
+    quantize_model(model, fmt, preset_obj, amax)
+    qconfig = quantization_config(fmt, kept_dense_names(model), preset_obj.name)
+    tmp, commit = atomic_folder(Path(out_dir))
+    try:
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        if dense_dtype is not None:
+            state = {k: _to_compute_dtype(k, v, dense_dtype) for k, v in state.items()}
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "quant_algo": QUANT_ALGOS[fmt]})
+        config.to_json_file(tmp / CONFIG_NAME, extra={"quantization_config": qconfig})
+        from model.elastic.export import tokenizer_files
+
+        for name, path in tokenizer_files(src).items():
+            shutil.copyfile(path, tmp / name)
+        write_manifest(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit()
+
+
+# ---------------------------------------------------------------------- loading
+def _read_quant_config(folder: Path) -> tuple[dict[str, Any], QuantFormat]:
+    if not (folder / CONFIG_NAME).exists():
+        raise CheckpointError(f"{folder}: no {CONFIG_NAME}")
+    raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    qc = raw.get("quantization_config")
+    algos = {v: k for k, v in QUANT_ALGOS.items()}
+    if not isinstance(qc, dict) or qc.get("quant_algo") not in algos:
+        raise CheckpointError(
+            f"{folder}: config.json has no quantization_config with quant_algo in {sorted(algos)}; "
+            "not a quantized checkpoint (load it with HybridLM.from_pretrained)"
+        )
+    return qc, algos[qc["quant_algo"]]  # type: ignore[return-value]
+
+
+def read_quantized_tensors(folder: str | Path) -> dict[str, Tensor]:
+    """All tensors of a quantized checkpoint with ``backbone.`` keys renamed to ``model.``."""
+    tensors = read_tensors(Path(folder))
+    return {("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v for k, v in tensors.items()}
+
+
+def _expected_dtypes(fmt: QuantFormat) -> dict[str, torch.dtype]:
+    if fmt == "fp8":
+        return {"weight": FP8_DTYPE, "weight_scale": torch.float32, "input_scale": torch.float32}
+    return {"weight": torch.uint8, "weight_scale": FP8_DTYPE, "weight_scale_2": torch.float32}
+
+
+def load_quantized_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    cache_dequantized: bool = DEFAULT_CACHE_DEQUANTIZED,
+) -> HybridLM:
+    """A :class:`HybridLM` whose quantized projections are ``QuantLinear`` and experts ``QuantExperts``.
+
+    Masks, caches and generation work as on the dense model. ``dtype`` converts the dense tensors
+    (and so the compute dtype); quantized buffers keep their format. ``cache_dequantized`` keeps a
+    dense copy of each quantized weight after its first use (the default: several times faster
+    decoding on CPU, see :mod:`model.quant.experts`). All-or-nothing: missing, unexpected,
+    mis-shaped or wrongly typed tensors raise :class:`CheckpointError` naming them.
+    """
+    folder = Path(path)
+    _, fmt = _read_quant_config(folder)
+    verify_manifest(folder)
+    config = HybridConfig.from_json_file(folder / CONFIG_NAME)
+    return build_quantized_model(config, read_quantized_tensors(folder), fmt, dtype, cache_dequantized, str(folder))
+
+
+def build_quantized_model(
+    config: HybridConfig,
+    tensors: dict[str, Tensor],
+    fmt: QuantFormat,
+    dtype: torch.dtype | None = None,
+    cache_dequantized: bool = DEFAULT_CACHE_DEQUANTIZED,
+    where: str = "quantized checkpoint",
+) -> HybridLM:
+    """The quantized model holding ``tensors`` (file keys); which projections are quantized is read
+    from the keys that carry a ``weight_scale``. See :func:`load_quantized_model`."""
+    _check_format(fmt)
+    quantized = {k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
+    with torch.device("meta"):
+        model = HybridLM(config)
+    for name, moe in _moe_layers(model):
+        if f"{name}.experts.0.up_proj" in quantized:
+            e, f, h = moe.experts.up_proj.shape
+            moe.experts = QuantExperts(e, h, f, fmt, cache_dequantized, device="meta")
+    modules = dict(model.named_modules())
+    for name in sorted(quantized):
+        if isinstance(modules.get(name), QuantLinear):  # an expert projection, built above
+            continue
+        lin = modules.get(name)
+        if not isinstance(lin, nn.Linear):
+            raise CheckpointError(f"{where}: {name}.weight_scale belongs to no linear layer of the config")
+        parent, _, child = name.rpartition(".")
+        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, fmt, cache_dequantized, device="meta")
+        setattr(model.get_submodule(parent) if parent else model, child, q)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and f"{name}.input_scale" in tensors:
+            m.input_scale = torch.empty((), dtype=torch.float32, device="meta")  # filled by load_state_dict
+    check_state(model.state_dict(), tensors, where)
+    want = _expected_dtypes(fmt)
+    wrong = []
+    for k in sorted(tensors):
+        base, _, leaf = k.rpartition(".")
+        if base in quantized and leaf in want and tensors[k].dtype != want[leaf]:
+            wrong.append(f"{k}: {tensors[k].dtype} (expected {want[leaf]})")
+    if wrong:
+        raise CheckpointError(f"{where}: quantized tensors with the wrong dtype: {'; '.join(wrong[:20])}")
+    if dtype is not None:
+        tensors = {k: _to_compute_dtype(k, v, dtype) for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    return model.eval()
+
+
+def _to_compute_dtype(key: str, value: Tensor, dtype: torch.dtype) -> Tensor:
+    """Dense floating tensors follow ``dtype``; scales, codes and the selection bias stay as stored."""
+    keep = (
+        not value.is_floating_point()
+        or value.dtype == FP8_DTYPE
+        or key.rsplit(".", 1)[-1] in _SCALE_KEYS
+        or key.endswith("e_score_correction_bias")
+    )
+    return value if keep else value.to(dtype)
+
+
+@torch.no_grad()
+def dequantize_model(model: HybridLM, dtype: torch.dtype = torch.float32) -> HybridLM:
+    """A dense copy of a quantized model: every quantized weight replaced by its dequantized value.
+
+    Activation scales are dropped (a dense model has none), so outputs differ from the quantized
+    model's by the FP8 activation rounding only. Used to compare nested slicing before and after
+    quantization, and to evaluate weight-only effects.
+    """
+    import copy
+
+    dense = copy.deepcopy(model)
+    for _, moe in _moe_layers(dense):
+        if isinstance(moe.experts, QuantExperts):
+            up, down = moe.experts.dequantized(dtype)
+            with torch.device("meta"):
+                ex = Experts(dense.config)
+            ex.up_proj, ex.down_proj, ex.num_experts = nn.Parameter(up), nn.Parameter(down), up.shape[0]
+            moe.experts = ex
+    for name, m in list(dense.named_modules()):
+        if isinstance(m, QuantLinear):
+            lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            lin.weight = nn.Parameter(m.dequantized_weight(dtype))
+            if m.bias is not None:
+                lin.bias = nn.Parameter(m.bias.detach().to(dtype))
+            parent, _, child = name.rpartition(".")
+            setattr(dense.get_submodule(parent) if parent else dense, child, lin)
+    return dense.eval()

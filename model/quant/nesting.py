@@ -1,0 +1,417 @@
+"""Nesting survives quantization: cut any budget out of ONE quantized nested checkpoint.
+
+Quantize the full nested checkpoint once (:func:`model.quant.checkpoint.quantize_checkpoint`);
+:func:`extract_quantized_budget` then writes any budget as a standalone quantized checkpoint
+without requantizing, and :func:`load_quantized_budget` builds it in memory.
+
+Design choices:
+
+* The prefix rules are those of the unquantized extraction (:mod:`model.elastic.slicing`), read off
+  the same :meth:`~model.elastic.arch.Architecture.resolve` and the same ``grouped_heads`` /
+  ``head_channels`` helpers: hidden prefix everywhere, the first k heads inside every Mamba group
+  or KV group, FFN prefixes for dense MLPs, every routed expert and the shared expert, an expert
+  prefix (router rows, bias, and whole experts: ``experts.{j}`` for ``j < e'``), dropped layers
+  renumbered. :func:`budget_rules` lists them once; quantized and dense tensors are both cut from
+  that list. The tests compare against :func:`model.elastic.slicing.extract` bitwise.
+* Quantized tensors are sliced, never requantized: per-tensor scales (fp8 ``weight_scale`` and
+  ``input_scale``, nvfp4 ``weight_scale_2``) are copied untouched; fp8 codes are sliced like dense
+  weights; nvfp4 packed codes and block scales are sliced with their blocks (``slice_nvfp4`` for
+  row selections and input prefixes; grouped head columns, which are several runs, gather whole
+  bytes and whole blocks). Hence extract-then-dequantize equals dequantize-then-extract bitwise.
+* That is only possible when every kept run of input columns starts and ends on a 16-element
+  block boundary. :func:`check_nvfp4_alignment` checks every budget against every projection the
+  preset quantizes before quantizing, and names the budget, the axis, its value and the layer.
+* Safety nets: every tensor of the source must be consumed by a rule (or belong to a dropped
+  layer / expert), and the extracted logical parameter count must equal the budget's recorded
+  ``total_params``, so an edited config or a forgotten tensor fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, atomic_folder, verify_manifest, write_manifest
+from model.config import HybridConfig
+from model.elastic.arch import Architecture, ResolvedArch
+from model.elastic.slicing import extract_config, grouped_heads, head_channels
+from model.hybrid import HybridLM
+
+from .checkpoint import _read_quant_config, build_quantized_model, read_quantized_tensors
+from .experts import DEFAULT_CACHE_DEQUANTIZED
+from .fp8 import FP8_DTYPE
+from .nvfp4 import NVFP4_BLOCK_SIZE, slice_nvfp4
+from .qlinear import QuantFormat, QuantPreset
+
+__all__ = [
+    "ExpertsRule",
+    "LinearRule",
+    "TensorRule",
+    "budget_architectures",
+    "budget_rules",
+    "check_nvfp4_alignment",
+    "extract_quantized_budget",
+    "load_quantized_budget",
+    "slice_quantized_state",
+]
+
+Index = int | Tensor | None
+"""Per dimension: None keeps everything, an int keeps that prefix, a LongTensor gathers those entries."""
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """A dense tensor ``src`` -> ``dst`` sliced by ``index`` (one entry per leading dimension)."""
+
+    src: str
+    dst: str
+    index: tuple[Index, ...]
+
+
+@dataclass(frozen=True)
+class LinearRule:
+    """A projection ``src`` -> ``dst`` (weight (out, in), bias (out,)) sliced to ``[rows, cols]``.
+
+    ``in_axis`` / ``in_value``: the elastic axis (and the budget's value) that sets ``cols``.
+    """
+
+    src: str
+    dst: str
+    rows: Index
+    cols: Index
+    in_axis: str
+    in_value: int
+
+
+@dataclass(frozen=True)
+class ExpertsRule:
+    """Routed experts ``src`` -> ``dst``: the first ``experts``, each cut to (ffn, hidden)."""
+
+    src: str
+    dst: str
+    experts: int
+    ffn: int
+    hidden: int
+
+
+Rule = TensorRule | LinearRule | ExpertsRule
+
+
+def _as_index(ix: Tensor) -> Index:
+    """A gather index equal to ``0..n-1`` becomes the prefix ``n``."""
+    n = ix.numel()
+    return n if torch.equal(ix, torch.arange(n)) else ix
+
+
+# ---------------------------------------------------------------------- budgets and rules
+def budget_architectures(checkpoint_dir: str | Path) -> tuple[dict[str, Architecture], list[int] | None]:
+    """``({budget: architecture}, depth_order)`` of a checkpoint; ``{"full": Architecture()}`` when not nested."""
+    from model.elastic.export import read_elastic
+
+    folder = Path(checkpoint_dir)
+    raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    if "elastic" not in raw:
+        return {"full": Architecture()}, None
+    info = read_elastic(folder)
+    return info.architectures, info.depth_order
+
+
+def budget_rules(config: HybridConfig, res: ResolvedArch) -> list[Rule]:
+    """Every tensor of the sub-model ``res`` of ``config``'s parent, as slicing rules (module docstring)."""
+    h = res.hidden
+    rules: list[Rule] = [
+        TensorRule("model.embeddings.weight", "model.embeddings.weight", (None, h)),
+        TensorRule("model.norm_f.weight", "model.norm_f.weight", (h,)),
+        LinearRule("lm_head", "lm_head", None, h, "hidden", h),
+    ]
+    d_inner, gn = config.mamba_d_inner, 2 * config.n_groups * config.ssm_state_size
+    for j, la in enumerate(res.kept):
+        s, d = f"model.layers.{la.index}.", f"model.layers.{j}."
+        rules.append(TensorRule(s + "norm.weight", d + "norm.weight", (h,)))
+        s, d = s + "mixer.", d + "mixer."
+        if la.kind == "mamba":
+            heads = grouped_heads(config.mamba_num_heads, config.n_groups, la.mamba_heads)
+            ch = head_channels(heads, config.mamba_head_dim)
+            bc = torch.arange(gn)
+            in_rows = _as_index(torch.cat([ch, d_inner + ch, 2 * d_inner + bc, 2 * d_inner + gn + heads]))
+            conv_ch = _as_index(torch.cat([ch, d_inner + bc]))
+            rules.append(LinearRule(s + "in_proj", d + "in_proj", in_rows, h, "hidden", h))
+            rules += [TensorRule(s + f"conv1d.{p}", d + f"conv1d.{p}", (conv_ch,)) for p in ("weight", "bias")]
+            rules += [TensorRule(s + n, d + n, (_as_index(heads),)) for n in ("dt_bias", "A_log", "D")]
+            rules.append(TensorRule(s + "norm.weight", d + "norm.weight", (_as_index(ch),)))
+            rules.append(LinearRule(s + "out_proj", d + "out_proj", h, _as_index(ch), "mamba_heads", la.mamba_heads))
+        elif la.kind == "attention":
+            heads = grouped_heads(config.num_attention_heads, config.num_key_value_heads, la.attn_heads)
+            ch = _as_index(head_channels(heads, config.head_dim))
+            rules.append(LinearRule(s + "q_proj", d + "q_proj", ch, h, "hidden", h))
+            rules += [LinearRule(s + p, d + p, None, h, "hidden", h) for p in ("k_proj", "v_proj")]
+            rules.append(LinearRule(s + "o_proj", d + "o_proj", h, ch, "attn_heads", la.attn_heads))
+        elif la.kind == "mlp":
+            rules.append(LinearRule(s + "up_proj", d + "up_proj", la.ffn, h, "hidden", h))
+            rules.append(LinearRule(s + "down_proj", d + "down_proj", h, la.ffn, "mlp_ffn", la.ffn))
+        else:
+            e = la.experts
+            rules.append(TensorRule(s + "gate.weight", d + "gate.weight", (e, h)))
+            bias = "gate.e_score_correction_bias"
+            rules.append(TensorRule(s + bias, d + bias, (e,)))
+            rules.append(ExpertsRule(s + "experts", d + "experts", e, la.ffn, h))
+            sh, dh, f = s + "shared_experts.", d + "shared_experts.", la.shared_ffn
+            if config.n_shared_experts:
+                rules.append(LinearRule(sh + "up_proj", dh + "up_proj", f, h, "hidden", h))
+                rules.append(LinearRule(sh + "down_proj", dh + "down_proj", h, f, "shared_ffn", f))
+    return rules
+
+
+# ---------------------------------------------------------------------- NVFP4 alignment
+def _runs(cols: Index, full: int) -> list[tuple[int, int]]:
+    """Contiguous (start, length) runs of kept input columns."""
+    if cols is None:
+        return [(0, full)]
+    if isinstance(cols, int):
+        return [(0, cols)]
+    out: list[tuple[int, int]] = []
+    for i in cols.tolist():
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def _aligned(cols: Index, full: int) -> bool:
+    return all(s % NVFP4_BLOCK_SIZE == 0 and n % NVFP4_BLOCK_SIZE == 0 for s, n in _runs(cols, full))
+
+
+def check_nvfp4_alignment(
+    config: HybridConfig,
+    archs: Mapping[str, Architecture],
+    depth_order: Sequence[int] | None,
+    preset: QuantPreset,
+) -> None:
+    """Raise ``ValueError`` unless every budget keeps whole NVFP4 blocks of every quantized input.
+
+    One line per (budget, axis, value), naming the first layer affected and the kept column runs.
+    """
+    problems: dict[tuple[str, str, int], str] = {}
+    for name, arch in archs.items():
+        res = arch.resolve(config, None, depth_order)
+        for rule in budget_rules(config, res):
+            checks: list[tuple[str, str, int, Index, int]] = []
+            if isinstance(rule, LinearRule) and preset.should_quantize(rule.src):
+                full = _full_in(config, rule.src)
+                checks.append((rule.src, rule.in_axis, rule.in_value, rule.cols, full))
+            elif isinstance(rule, ExpertsRule) and preset.should_quantize(rule.src + ".up_proj"):
+                checks.append((rule.src + ".*.up_proj", "hidden", rule.hidden, rule.hidden, config.hidden_size))
+                checks.append((rule.src + ".*.down_proj", "moe_ffn", rule.ffn, rule.ffn, config.moe_intermediate_size))
+            for layer, axis, value, cols, full in checks:
+                key = (name, axis, value)
+                if key in problems or _aligned(cols, full):
+                    continue
+                runs = _runs(cols, full)
+                width = sum(n for _, n in runs)
+                problems[key] = (
+                    f"budget {name!r}: {axis}={value} keeps {width} input columns of {layer} in runs "
+                    f"(start, length) {runs[:4]}{' ...' if len(runs) > 4 else ''}, "
+                    f"not whole {NVFP4_BLOCK_SIZE}-element blocks"
+                )
+    if problems:
+        raise ValueError(
+            "NVFP4 cannot nest these budgets: every elastic width along an input dimension must be a multiple of "
+            f"{NVFP4_BLOCK_SIZE} (per group for grouped heads; ElasticSpace(nvfp4_aligned=True) checks the "
+            "candidates when the space is configured): " + "; ".join(problems.values())
+        )
+
+
+def _full_in(config: HybridConfig, name: str) -> int:
+    """Full input width of the projection ``name`` in the parent."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "out_proj":
+        return config.mamba_d_inner
+    if leaf == "o_proj":
+        return config.num_attention_heads * config.head_dim
+    if leaf == "down_proj":
+        return config.moe_shared_expert_intermediate_size if "shared_experts" in name else config.intermediate_size
+    return config.hidden_size
+
+
+# ---------------------------------------------------------------------- slicing tensors
+def _take(t: Tensor, index: Sequence[Index]) -> Tensor:
+    """Slice ``t`` dimension by dimension into a new contiguous tensor (fp8 gathered through uint8)."""
+    fp8 = t.dtype == FP8_DTYPE
+    out = t.view(torch.uint8) if fp8 else t
+    for dim, ix in enumerate(index):
+        if ix is None:
+            continue
+        out = out.narrow(dim, 0, ix) if isinstance(ix, int) else out.index_select(dim, ix.to(out.device))
+    out = out.clone(memory_format=torch.contiguous_format)
+    return out.view(FP8_DTYPE) if fp8 else out
+
+
+def _slice_nvfp4_weight(packed: Tensor, scales: Tensor, rows: Index, cols: Index, what: str) -> tuple[Tensor, Tensor]:
+    """NVFP4 codes (out, in/2) and block scales (out, in/16) cut to ``[rows, cols]`` (whole blocks)."""
+    if not _aligned(cols, packed.shape[-1] * 2):
+        raise ValueError(f"{what}: kept input columns {_runs(cols, packed.shape[-1] * 2)} split NVFP4 blocks")
+    if isinstance(cols, Tensor):  # several runs (grouped heads): whole bytes and whole blocks
+        packed = packed.index_select(-1, cols[0::2] // 2)
+        scales = scales.view(torch.uint8).index_select(-1, cols[0::NVFP4_BLOCK_SIZE] // NVFP4_BLOCK_SIZE)
+        scales = scales.view(FP8_DTYPE)
+        cols = None
+    packed, scales = slice_nvfp4(packed, scales, rows, cols)
+    return packed.contiguous().clone(), scales.view(torch.uint8).clone().view(FP8_DTYPE)
+
+
+def _slice_linear(
+    tensors: Mapping[str, Tensor], src: str, dst: str, rows: Index, cols: Index, fmt: QuantFormat
+) -> dict[str, Tensor]:
+    """One projection, quantized (``src.weight_scale`` present) or dense, with its scales and bias."""
+    out: dict[str, Tensor] = {}
+    w = tensors[f"{src}.weight"]
+    if f"{src}.weight_scale" not in tensors:
+        out[f"{dst}.weight"] = _take(w, [rows, cols])
+    elif fmt == "fp8":
+        out[f"{dst}.weight"] = _take(w, [rows, cols])
+        out[f"{dst}.weight_scale"] = tensors[f"{src}.weight_scale"].clone()  # per tensor: untouched
+    else:
+        packed, scales = _slice_nvfp4_weight(w, tensors[f"{src}.weight_scale"], rows, cols, src)
+        out[f"{dst}.weight"], out[f"{dst}.weight_scale"] = packed, scales
+        out[f"{dst}.weight_scale_2"] = tensors[f"{src}.weight_scale_2"].clone()  # global: untouched
+    if f"{src}.input_scale" in tensors:
+        out[f"{dst}.input_scale"] = tensors[f"{src}.input_scale"].clone()  # per tensor: untouched
+    if f"{src}.bias" in tensors:
+        out[f"{dst}.bias"] = _take(tensors[f"{src}.bias"], [rows])
+    return out
+
+
+def slice_quantized_state(
+    tensors: Mapping[str, Tensor], config: HybridConfig, res: ResolvedArch, fmt: QuantFormat
+) -> dict[str, Tensor]:
+    """The quantized (file-keyed) state of the sub-model ``res``, cut from the parent's ``tensors``."""
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for rule in budget_rules(config, res):
+        if isinstance(rule, TensorRule):
+            if rule.src in tensors:  # optional tensors (conv bias) may be absent
+                out[rule.dst] = _take(tensors[rule.src], rule.index)
+                used.add(rule.src)
+        elif isinstance(rule, LinearRule):
+            part = _slice_linear(tensors, rule.src, rule.dst, rule.rows, rule.cols, fmt)
+            used.update(rule.src + k[len(rule.dst) :] for k in part)
+            out.update(part)
+        elif f"{rule.src}.0.up_proj.weight" in tensors:  # per-expert (quantized) layout
+            for j in range(rule.experts):
+                s, d = f"{rule.src}.{j}.", f"{rule.dst}.{j}."
+                out.update(_slice_linear(tensors, s + "up_proj", d + "up_proj", rule.ffn, rule.hidden, fmt))
+                out.update(_slice_linear(tensors, s + "down_proj", d + "down_proj", rule.hidden, rule.ffn, fmt))
+            used.update(k for k in tensors if k.startswith(rule.src + "."))  # experts >= e' are dropped
+        else:  # dense stacked experts (a custom preset that keeps them in high precision)
+            e, f, h = rule.experts, rule.ffn, rule.hidden
+            out[f"{rule.dst}.up_proj"] = _take(tensors[f"{rule.src}.up_proj"], [e, f, h])  # (E, F, H)
+            out[f"{rule.dst}.down_proj"] = _take(tensors[f"{rule.src}.down_proj"], [e, h, f])  # (E, H, F)
+            used.update({f"{rule.src}.up_proj", f"{rule.src}.down_proj"})
+    dropped = {la.index for la in res.layers if not la.keep}
+    left = [k for k in tensors if k not in used and not ((m := _LAYER.match(k)) and int(m.group(1)) in dropped)]
+    if left:  # a tensor no rule covers: refuse rather than write an incomplete model
+        raise CheckpointError(f"tensors not covered by the nesting rules: {sorted(left)[:20]}")
+    return out
+
+
+def logical_param_count(tensors: Mapping[str, Tensor]) -> int:
+    """Parameters the tensors stand for (nvfp4 bytes hold two; scales and the selection bias are not parameters)."""
+    n = 0
+    for k, v in tensors.items():
+        base, _, leaf = k.rpartition(".")
+        if leaf in ("weight_scale", "weight_scale_2", "input_scale") or k.endswith("e_score_correction_bias"):
+            continue
+        packed = leaf == "weight" and v.dtype == torch.uint8 and f"{base}.weight_scale_2" in tensors
+        n += v.numel() * (2 if packed else 1)
+    return n
+
+
+# ---------------------------------------------------------------------- public API
+def _budget_state(
+    quant_dir: Path, budget_name: str
+) -> tuple[HybridConfig, dict[str, Tensor], dict[str, Any], QuantFormat, ResolvedArch]:
+    """Shared by extraction and loading: (standalone config, sliced tensors, quantization_config, format, arch)."""
+    from model.elastic.export import read_elastic
+
+    qc, fmt = _read_quant_config(quant_dir)
+    verify_manifest(quant_dir)
+    info = read_elastic(quant_dir)
+    budget = info.budget(budget_name)
+    try:
+        new_config = extract_config(info.config, budget.architecture, info.depth_order)
+    except ValueError as err:
+        raise ValueError(f"budget {budget_name!r} cannot be written as a standalone checkpoint: {err}") from None
+    res = budget.architecture.resolve(info.config, None, info.depth_order)
+    state = slice_quantized_state(read_quantized_tensors(quant_dir), info.config, res, fmt)
+    got = logical_param_count(state)
+    if got != budget.total_params:
+        raise CheckpointError(
+            f"{quant_dir}: budget {budget_name!r} extracts to {got} parameters but its config entry records "
+            f"{budget.total_params} (edited config or different weights?)"
+        )
+    return new_config, state, qc, fmt, res
+
+
+def _renumber_ignore(ignore: Sequence[str], res: ResolvedArch) -> list[str]:
+    """Module names of the parent -> of the sub-model (dropped layers vanish, kept ones are renumbered)."""
+    new_index = {la.index: j for j, la in enumerate(res.kept)}
+    out = []
+    for name in ignore:
+        m = _LAYER.match(name)
+        if m is None:
+            out.append(name)
+        elif int(m.group(1)) in new_index:
+            out.append(f"model.layers.{new_index[int(m.group(1))]}.{m.group(2)}")
+    return out
+
+
+def extract_quantized_budget(quant_dir: str | Path, budget_name: str, out_dir: str | Path) -> Path:
+    """Write ``budget_name`` of a quantized nested checkpoint as a standalone quantized checkpoint.
+
+    The result has the budget's plain ``nemotron_h`` config (no ``elastic`` section), the same
+    ``quantization_config`` (module names renumbered when depth drops layers), the tokenizer files,
+    and a manifest; it loads with :func:`~model.quant.checkpoint.load_quantized_model` and computes
+    what the quantized nested model computes under the budget's hard mask.
+    """
+    from model.elastic.export import tokenizer_files
+
+    src = Path(quant_dir)
+    new_config, state, qc, _, res = _budget_state(src, budget_name)
+    for key in ("ignore", "exclude_modules"):
+        if key in qc:
+            qc[key] = _renumber_ignore(qc[key], res)
+    tmp, commit = atomic_folder(Path(out_dir))
+    try:
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "quant_algo": str(qc["quant_algo"])})
+        new_config.to_json_file(tmp / CONFIG_NAME, extra={"quantization_config": qc})
+        for name, path in tokenizer_files(src).items():
+            shutil.copyfile(path, tmp / name)
+        write_manifest(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit()
+
+
+def load_quantized_budget(
+    quant_dir: str | Path,
+    budget_name: str,
+    dtype: torch.dtype | None = None,
+    cache_dequantized: bool = DEFAULT_CACHE_DEQUANTIZED,
+) -> HybridLM:
+    """The standalone quantized model of ``budget_name``, cut from the nested quantized checkpoint in memory."""
+    src = Path(quant_dir)
+    new_config, state, _, fmt, _ = _budget_state(src, budget_name)
+    return build_quantized_model(new_config, state, fmt, dtype, cache_dequantized, f"{src} [{budget_name}]")
