@@ -29,7 +29,7 @@ run: install
 	$(BIN)/star-elastic run $(CONFIG)
 
 serve: install
-	$(BIN)/star-elastic serve $(or $(MODEL),runs/demo/latest) --port $(PORT)
+	$(BIN)/star-elastic serve $(or $(MODEL),runs/demo/export/nested) --port $(PORT)
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
