@@ -70,10 +70,10 @@ class ParentTrainConfig(BaseModel):
     eval_per_level: int = Field(50, ge=1, description="Held-out problems per level.")
     log_every: int = Field(25, ge=1, description="Steps between logged metrics.")
     balance_rate: float = Field(
-        1e-3,
+        0.0,
         ge=0,
         description="Aux-loss-free load balancing: per step, e_score_correction_bias moves by this much towards "
-        "under-loaded experts (0: off).",
+        "under-loaded experts (0: off, as for the shipped demo parent).",
     )
 
 
