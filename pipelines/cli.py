@@ -72,6 +72,13 @@ def _cmd_kfp_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from components.serving.app import serve_foreground
+
+    serve_foreground(args.model_uri, port=args.port, config=args.config, host=args.host)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     kcompile.add_argument("--out", default="pipeline.yaml", help="output YAML path")
     kcompile.add_argument("--cluster", choices=["demo", "real"], default="demo", help="cluster shape for the RayJobs")
     kcompile.set_defaults(func=_cmd_kfp_compile)
+
+    serve_p = sub.add_parser("serve", help="serve every budget of one checkpoint (OpenAI-compatible, Ray Serve)")
+    serve_p.add_argument("model_uri", help="nested checkpoint folder, s3://... or models:/NAME@champion")
+    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    serve_p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve_p.add_argument("--config", help="serving YAML/JSON (or a pipeline YAML: its 'serve' section)")
+    serve_p.set_defaults(func=_cmd_serve)
 
     extract = sub.add_parser("extract", help="cut one budget out of a nested checkpoint (zero-shot)")
     extract.add_argument("checkpoint", help="nested checkpoint folder")
