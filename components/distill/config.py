@@ -1,0 +1,279 @@
+"""Validated configuration of one distillation phase (phase 1: short context, phase 2: long context).
+
+Design choices:
+
+* One flat pydantic model, every field documented, ``extra="forbid"``: the same definition feeds
+  the YAML files, the command line and the Kubeflow parameters, and a typo is an error.
+* Everything that can be checked without reading files is checked here (budget probabilities,
+  phase-2 needs ``init_from``, the router config, the elastic space's own rules). Checks that read
+  the teacher's ``config.json`` or the file system (does ``init_from`` exist, are the budgets
+  reachable in the space) live in :func:`preflight`, which the stage runs on the driver before any
+  Ray worker starts, so a bad config fails in seconds with a message that names the field.
+* ``budget_probs`` is aligned with the budgets sorted LARGEST FIRST (the order
+  :class:`~model.elastic.budgets.BudgetSet` stores them in, whatever order they were written in).
+* Test-only knobs (``fail_at_step``) are plain fields with a description saying so: a config that
+  round-trips through YAML must keep them, and a production config simply leaves them unset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from components.data import ProblemConfig
+from model.config import HybridConfig
+from model.elastic.budgets import Budget, BudgetSet
+from model.elastic.router import RouterConfig
+from model.elastic.space import ElasticSpace
+
+PHASE2_DEFAULT_PROBS: tuple[float, ...] = (0.5, 0.3, 0.2)
+"""Phase-2 budget sampling, largest budget first (the method's skew towards the full model)."""
+
+_BOOKKEEPING = {
+    "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
+    "checkpoint_every", "max_failures", "fail_at_step",
+}  # fmt: skip
+"""Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
+
+PHASE_SEQ_LEN: dict[int, int] = {1: 64, 2: 256}
+"""Default tokens per row of each phase for the demo task (a demo problem is ~30-60 tokens)."""
+
+
+class DistillConfig(BaseModel):
+    """One distillation phase: teacher, student initialisation, elastic space, budgets, schedule, cluster."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # ------------------------------------------------------------------ what is trained
+    phase: Literal[1, 2] = Field(1, description="1: short context, uniform budgets; 2: long context, skewed budgets.")
+    teacher_uri: str = Field(
+        description="The permuted parent checkpoint folder (nemotron_h safetensors + config.json); the tokenizer "
+        "files lie beside the weights. Local path or s3:// URI."
+    )
+    init_from: str | None = Field(
+        None,
+        description="Phase 2 only (required there): the phase-1 output folder (student weights + router.safetensors). "
+        "Phase 1 starts the student from the teacher.",
+    )
+    output_dir: str = Field(
+        description="Local folder written at the end: the student as a nemotron_h checkpoint, router.safetensors, "
+        "distill.json, history.json and the tokenizer files."
+    )
+    space: ElasticSpace = Field(description="Elastic axes and their candidate sizes (ElasticSpace fields).")
+    budgets: list[Budget] = Field(
+        min_length=1, description="Trained budgets as {name, fraction of the parent's active parameters}; 1.0 required."
+    )
+    budget_probs: list[float] | None = Field(
+        None,
+        description="Sampling probability of each budget, largest budget first; must sum to 1. None: uniform in "
+        "phase 1, 0.5/0.3/0.2 in phase 2 (three budgets).",
+    )
+    depth_order: list[int] | None = Field(
+        None, description="Layers in the order depth drops them (from the rank stage); None: deepest layers first."
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Router MLP and sampling schedules.")
+    alpha: float = Field(1.0, ge=0, description="Weight of the budget loss against the KD loss.")
+
+    # ------------------------------------------------------------------ data and schedule
+    data: ProblemConfig = Field(default_factory=ProblemConfig, description="Built-in reasoning problems (the data).")
+    steps: int = Field(200, ge=1, description="Optimizer steps of this phase.")
+    micro_batch_size: int = Field(8, ge=1, description="Rows per worker per step.")
+    seq_len: int | None = Field(
+        None,
+        ge=8,
+        description="Tokens per row; phase 2 uses several times the phase-1 length (reported 8k then 49k). "
+        f"None: {PHASE_SEQ_LEN[1]} in phase 1, {PHASE_SEQ_LEN[2]} in phase 2 (the demo's lengths).",
+    )
+    pack: bool | None = Field(
+        None, description="Pack several problems into each row (make_batch(pack=True)); None: on in phase 2 only."
+    )
+    lr: float = Field(
+        1e-3, gt=0, description="Peak learning rate of the student weights (~1e-4 at real scale; the demo uses more)."
+    )
+    router_lr: float = Field(1e-1, gt=0, description="Peak learning rate of the router (~100x the weights' lr).")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine decay).")
+    warmup_frac: float = Field(0.01, ge=0, lt=1, description="Share of the steps with a linear lr warmup.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay of matrices (not norms, not the router).")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient norm clip (DeepSpeed gradient_clipping).")
+    seed: int = Field(0, ge=0, description="Seeds the data stream, the budget draws and the router noise.")
+
+    # ------------------------------------------------------------------ cluster
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    use_gpu: bool = Field(False, description="One GPU per worker and NCCL; CPU workers use gloo.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage (0: plain data parallel).")
+    bf16: bool = Field(False, description="Train in bfloat16 (DeepSpeed bf16 with fp32 master weights).")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between Ray Train checkpoints (each costs ~1-2 s).")
+    max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: forever).")
+    storage_path: str | None = Field(
+        None,
+        description="Ray Train storage for checkpoints: a local folder or s3://bucket/prefix (AWS_* variables and "
+        "AWS_ENDPOINT_URL(_S3) are honoured). None: '<output_dir>.ray' beside the output.",
+    )
+    run_name: str | None = Field(
+        None,
+        description="Ray Train run name (folder under storage_path; a folder with checkpoints is resumed). "
+        "None: 'distill-phase<phase>-<hash of the training fields>'.",
+    )
+
+    # ------------------------------------------------------------------ tracking and logs
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI rank 0 logs to (None: taken from the stage's tracker, if any)."
+    )
+    run_id: str | None = Field(None, description="MLflow run rank 0 logs into (None: the stage tracker's run).")
+    experiment: str = Field("star-elastic", description="MLflow experiment of that run.")
+    log_every: int = Field(10, ge=1, description="Steps between MLflow metric rows and progress lines.")
+
+    # ------------------------------------------------------------------ tests
+    fail_at_step: int | None = Field(
+        None,
+        ge=0,
+        description="Tests only: the last rank kills its own process at this step, once (a marker file in "
+        "output_dir stops it on the retry).",
+    )
+
+    # ------------------------------------------------------------------ validation
+    @field_validator("budget_probs")
+    @classmethod
+    def _probs_valid(cls, probs: list[float] | None) -> list[float] | None:
+        if probs is None:
+            return None
+        if any(p < 0 for p in probs):
+            raise ValueError(f"budget_probs must be non-negative, got {probs}")
+        if not math.isclose(sum(probs), 1.0, abs_tol=1e-6):
+            raise ValueError(f"budget_probs must sum to 1, got {probs} (sum {sum(probs):.6g})")
+        return probs
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillConfig:
+        if self.seq_len is None:
+            self.seq_len = PHASE_SEQ_LEN[self.phase]
+        budget_set = self.budget_set  # sorts and checks names / fractions / the full budget
+        if self.budget_probs is not None and len(self.budget_probs) != len(budget_set):
+            raise ValueError(
+                f"budget_probs has {len(self.budget_probs)} entries but there are {len(budget_set)} budgets "
+                f"{budget_set.names} (largest first)"
+            )
+        if self.phase == 2 and self.budget_probs is None and len(budget_set) not in (1, len(PHASE2_DEFAULT_PROBS)):
+            raise ValueError(
+                f"phase 2 has a default budget_probs only for {len(PHASE2_DEFAULT_PROBS)} budgets "
+                f"({list(PHASE2_DEFAULT_PROBS)}, largest first); set budget_probs for the {len(budget_set)} budgets "
+                f"{budget_set.names}"
+            )
+        if self.phase == 2 and not self.init_from:
+            raise ValueError(
+                "phase 2 needs init_from: the phase-1 output folder (student weights + router.safetensors); "
+                "phase 2 continues phase 1 and never starts from the teacher"
+            )
+        if self.phase == 1 and self.init_from:
+            raise ValueError("init_from is only for phase 2; phase 1 starts the student from teacher_uri")
+        if self.router.per_layer and not self.space.per_layer:
+            raise ValueError("router.per_layer=True needs space.per_layer=True")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def budget_set(self) -> BudgetSet:
+        """The budgets, sorted largest first (index 0 is the full model)."""
+        return BudgetSet(budgets=self.budgets)
+
+    @property
+    def sampling_probs(self) -> list[float]:
+        """Probability of drawing each budget, largest first (defaults resolved)."""
+        n = len(self.budgets)
+        if self.budget_probs is not None:
+            return list(self.budget_probs)
+        if self.phase == 2 and n == len(PHASE2_DEFAULT_PROBS):
+            return list(PHASE2_DEFAULT_PROBS)
+        return [1.0 / n] * n
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows are packed with several problems."""
+        return self.pack if self.pack is not None else self.phase == 2
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(round(self.warmup_frac * self.steps))
+
+    @property
+    def name(self) -> str:
+        """The Ray Train run name: ``run_name``, or ``distill-phase<phase>-<run_key()>``."""
+        return self.run_name or f"distill-phase{self.phase}-{self.run_key()}"
+
+    def run_key(self, inputs: str = "") -> str:
+        """Hash of every field that changes what is trained (not tracking, logging or storage fields),
+        plus ``inputs`` (a fingerprint of the input checkpoints, see :func:`input_fingerprint`).
+
+        Ray Train resumes a run whose folder (storage_path/name) already holds checkpoints. Keying the
+        default name by config and inputs makes a re-run of the same phase after a crash resume, and a
+        run with changed settings or changed input weights start fresh instead of continuing the old one.
+        """
+        payload = json.dumps({"config": self.model_dump(mode="json", exclude=_BOOKKEEPING), "inputs": inputs})
+        return hashlib.sha256(payload.encode()).hexdigest()[:10]
+
+    def resolved_storage_path(self) -> str:
+        """``storage_path``, or an absolute ``<output_dir>.ray`` folder beside the output."""
+        if self.storage_path:
+            return self.storage_path
+        out = Path(self.output_dir).expanduser().resolve()
+        return str(out.parent / f"{out.name}.ray")
+
+
+def preflight(config: DistillConfig) -> HybridConfig:
+    """Checks that read files, run on the driver before any worker starts; returns the teacher's config.
+
+    * phase 2: ``init_from`` must exist and hold a student checkpoint with a router;
+    * the teacher checkpoint must have a readable ``config.json``;
+    * the elastic space must fit the teacher and every budget must be reachable in it.
+    """
+    from components.storage import is_s3, materialize
+
+    if config.init_from is not None and not is_s3(config.init_from):
+        src = Path(config.init_from)
+        if not src.is_dir():
+            raise FileNotFoundError(
+                f"init_from={config.init_from!r} does not exist; phase 2 starts from the phase-1 output folder"
+            )
+        missing = [n for n in ("config.json", "router.safetensors") if not (src / n).exists()]
+        if missing:
+            raise FileNotFoundError(
+                f"init_from={config.init_from!r} is not a distillation output (missing {missing}); "
+                "pass the phase-1 output_dir"
+            )
+    teacher_dir = materialize(config.teacher_uri)
+    if not (teacher_dir / "config.json").exists():
+        raise FileNotFoundError(f"teacher_uri={config.teacher_uri!r} has no config.json (a nemotron_h checkpoint?)")
+    model_config = HybridConfig.from_json_file(teacher_dir / "config.json")
+    config.space.validate_against(model_config)
+    config.budget_set.check_reachable(model_config, config.space, config.depth_order)
+    return model_config
+
+
+def input_fingerprint(teacher_dir: Path, init_dir: Path | None) -> str:
+    """SHA-256 of the ``manifest.json`` files (per-file hashes) of the teacher and of ``init_from``."""
+    h = hashlib.sha256()
+    for folder in (teacher_dir, init_dir):
+        if folder is not None and (folder / "manifest.json").exists():
+            h.update((folder / "manifest.json").read_bytes())
+    return h.hexdigest()
+
+
+def with_run_name(config: DistillConfig) -> DistillConfig:
+    """``config`` with ``run_name`` filled in (config and input weights keyed) unless it is set."""
+    if config.run_name:
+        return config
+    from components.storage import materialize
+
+    init_dir = materialize(config.init_from) if config.init_from else None
+    key = config.run_key(input_fingerprint(materialize(config.teacher_uri), init_dir))
+    return config.model_copy(update={"run_name": f"distill-phase{config.phase}-{key}"})
+
+
+def to_worker_dict(config: DistillConfig) -> dict[str, Any]:
+    """The JSON-safe dict handed to Ray workers (re-validated there)."""
+    return config.model_dump(mode="json")
