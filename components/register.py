@@ -76,9 +76,7 @@ def _champion_accuracy(client, name: str, alias: str) -> tuple[str | None, dict[
         mv = client.get_model_version_by_alias(name, alias)
     except Exception:  # no registered model or no alias yet
         return None, None
-    acc = {
-        k.split(".")[1]: float(v) for k, v in mv.tags.items() if k.startswith("budget.") and k.endswith(".accuracy")
-    }
+    acc = {k.split(".")[1]: float(v) for k, v in mv.tags.items() if k.startswith("budget.") and k.endswith(".accuracy")}
     return mv.version, acc
 
 

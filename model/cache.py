@@ -1,12 +1,17 @@
 """Decoding caches: a KV cache for attention layers, conv + SSM state for Mamba layers.
 
 The KV cache is preallocated and grows by doubling, so a decode step writes one
-slot instead of concatenating the whole history.
+slot instead of concatenating the whole history. A decode step also updates in place
+the SSM states of the :class:`MambaCache` objects the model created itself
+(``owned=True``; no state-sized allocation per step). So a cache is consumed by the
+step it is passed to: :func:`clone_cache` first to keep or branch it. A
+:class:`MambaCache` built by other code (``owned=False``, the default) is never
+written; the step returns a new one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -43,10 +48,16 @@ class KVCache:
 
 @dataclass
 class MambaCache:
-    """Mamba state: ``conv`` (batch, conv_dim, kernel-1) last inputs, ``ssm`` (batch, heads, head_dim, state)."""
+    """Mamba state: ``conv`` (batch, conv_dim, kernel-1) last inputs, ``ssm`` (batch, heads, head_dim, state).
+
+    The model keeps ``conv`` time-major in memory (a transposed view of (batch, kernel-1, conv_dim));
+    any layout of that shape is accepted. ``owned``: the tensors belong to this cache alone, so a decode
+    step may overwrite ``ssm`` (see the module docstring).
+    """
 
     conv: Tensor
     ssm: Tensor
+    owned: bool = field(default=False, compare=False)
 
 
 class HybridCache:
@@ -69,7 +80,7 @@ class HybridCache:
             if isinstance(c, KVCache):
                 out.append(KVCache(c.k[rows], c.v[rows], c.length))
             elif isinstance(c, MambaCache):
-                out.append(MambaCache(c.conv[rows], c.ssm[rows]))
+                out.append(MambaCache(c.conv[rows], c.ssm[rows], owned=True))  # indexing copies
             else:
                 out.append(None)
         new = HybridCache(out)
@@ -92,13 +103,13 @@ def empty_cache(num_layers: int) -> HybridCache:
 
 
 def clone_cache(cache: HybridCache) -> HybridCache:
-    """A deep copy (states are updated functionally, but KV buffers are written in place)."""
+    """A deep copy: decode steps write KV buffers and owned SSM states in place."""
     out: list[KVCache | MambaCache | None] = []
     for c in cache.layers:
         if isinstance(c, KVCache):
             out.append(KVCache(c.k.clone(), c.v.clone(), c.length))
         elif isinstance(c, MambaCache):
-            out.append(MambaCache(c.conv.clone(), c.ssm.clone()))
+            out.append(MambaCache(c.conv.clone(), c.ssm.clone(), owned=True))
         else:
             out.append(None)
     new = HybridCache(out)

@@ -37,6 +37,10 @@ class CausalLMOutput:
     hidden: Tensor | None = None
 
 
+_FULL_LAYER = LayerMask()
+"""No masks (every field None); shared, never modified."""
+
+
 class Block(nn.Module):
     """Pre-norm residual block around one mixer."""
 
@@ -67,7 +71,7 @@ class Block(nn.Module):
     ) -> Tensor:
         """x: (batch, seq, hidden) -> same."""
         h = self.norm(x.to(self.norm.weight.dtype), hidden_fraction)
-        lm = lmask or LayerMask()
+        lm = lmask if lmask is not None else _FULL_LAYER
         if self.kind in ("mamba", "attention"):
             head_mask = lm.mamba_heads if self.kind == "mamba" else lm.attn_heads
             layer_cache = cache[index] if cache is not None else None

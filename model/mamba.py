@@ -20,12 +20,24 @@ from torch import Tensor, nn
 from model.cache import MambaCache
 from model.config import HybridConfig
 from model.norms import GatedGroupRMSNorm
-from model.ssd import ssd_scan, ssd_step
+from model.ssd import ssd_scan, ssd_step, ssd_step_inplace
 
 try:  # GPU kernels for the conv; optional, same function as the torch path.
     from causal_conv1d import causal_conv1d_fn as _causal_conv1d_kernel
 except ImportError:  # pragma: no cover - CPU installs never have it
     _causal_conv1d_kernel = None
+
+
+def _cpu_chunk_size(seqlen: int, chunk_size: int) -> int:
+    """Chunk length of the PyTorch scan on CPU: 16 up to 256 tokens, else 32 (never above ``chunk_size``).
+
+    The chunked scan's result does not depend on the chunk length (up to rounding), only its cost
+    does: the per-chunk (L, L) decay blocks shrink with L while the chunk-to-chunk pass grows with the
+    number of chunks. Measured per scan (8 heads of 16 x 16 state, one CPU thread), chunk 16 / 32 / 64:
+    16 x 64 tokens 4.7 / 7.2 / 7.7 ms, 2 x 1024 tokens 5.1 / 5.5 / 8.1 ms, 1 x 4096 tokens 15.9 / 12.4 / 20.0 ms.
+    GPUs keep the configured length (it is the Triton kernel's tile).
+    """
+    return min(chunk_size, 16 if seqlen <= 256 else 32)
 
 
 class Mamba2Mixer(nn.Module):
@@ -78,17 +90,33 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         return x, B, C, dt, A
 
-    def _conv(self, xbc: Tensor, prev: Tensor | None) -> Tensor:
-        """Causal depthwise conv + SiLU. xbc: (b, l, conv_dim); prev: (b, conv_dim, K-1) or None."""
-        xt = xbc.transpose(1, 2)
-        if _causal_conv1d_kernel is not None and xt.is_cuda and prev is None:
+    def _conv(self, xbc: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Causal depthwise conv + SiLU over time.
+
+        xbc: (b, l, conv_dim) conv inputs; prev: (b, conv_dim, K-1) the inputs before them (None: zeros).
+        Returns the activated output (b, l, conv_dim), contiguous, and the last K-1 inputs
+        (b, conv_dim, K-1), a view, for the decoding cache.
+        """
+        K, seq = self.kernel, xbc.shape[1]
+        if prev is None:
+            hist = F.pad(xbc, (0, 0, K - 1, 0))  # (b, K-1+l, conv_dim)
+        else:
+            hist = torch.cat([prev.transpose(1, 2), xbc], dim=1)
+        state = hist[:, seq:].transpose(1, 2)
+        if _causal_conv1d_kernel is not None and xbc.is_cuda and prev is None:
             out = _causal_conv1d_kernel(
-                xt.contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu"
+                xbc.transpose(1, 2).contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu"
             )
-            return out.transpose(1, 2)
-        left = prev if prev is not None else xt.new_zeros(xt.shape[0], self.conv_dim, self.kernel - 1)
-        out = F.conv1d(torch.cat([left, xt], dim=-1), self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        return F.silu(out).transpose(1, 2)
+            return out.transpose(1, 2), state
+        # K shifted multiply-adds in time-major layout rather than F.conv1d: same sums, the output comes out
+        # (b, l, conv_dim) contiguous for the scan, and the backward is elementwise (2x faster than
+        # conv1d's depthwise backward for forward + backward, measured at 16 x 64 tokens).
+        w = self.conv1d.weight[:, 0].t()  # (K, conv_dim)
+        bias = self.conv1d.bias
+        out = hist[:, :seq] * w[0] if bias is None else torch.addcmul(bias, hist[:, :seq], w[0])
+        for k in range(1, K):
+            out = torch.addcmul(out, hist[:, k : k + seq], w[k])
+        return F.silu(out), state
 
     def forward(
         self,
@@ -105,33 +133,41 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self._split(self.in_proj(hidden))  # 1.
         if cache is not None and seq == 1:
             return self._step(z, xbc, dt, cache, head_mask)
-        prev_conv = cache.conv if cache is not None else None
-        xbc_act = self._conv(xbc, prev_conv)  # 2.
+        xbc_act, conv_state = self._conv(xbc, cache.conv if cache is not None else None)  # 2.
         x, B, C, dt, A = self._ssm_inputs(xbc_act, dt)  # 3.
         init = cache.ssm if cache is not None else None
-        y, final = ssd_scan(x, dt, A, B, C, chunk_size=self.chunk_size, D=self.D.float(), initial_state=init)
+        chunk = self.chunk_size if hidden.is_cuda else _cpu_chunk_size(seq, self.chunk_size)
+        y, final = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=self.D.float(), initial_state=init)
         new_cache = None
-        if use_cache or cache is not None:
-            xt = xbc.transpose(1, 2)
-            hist = xt if prev_conv is None else torch.cat([prev_conv, xt], dim=-1)
-            conv_state = hist[..., -(self.kernel - 1) :]
-            if conv_state.shape[-1] < self.kernel - 1:
-                conv_state = F.pad(conv_state, (self.kernel - 1 - conv_state.shape[-1], 0))
-            new_cache = MambaCache(conv_state.contiguous(), final)
+        if use_cache or cache is not None:  # own copy of the last K-1 inputs, time-major like _step's
+            conv_state = conv_state.transpose(1, 2).contiguous().transpose(1, 2)
+            final = final.contiguous()
+            if cache is not None and final.data_ptr() == cache.ssm.data_ptr():
+                final = final.clone()  # an empty input hands the initial state back; never share it
+            new_cache = MambaCache(conv_state, final, owned=True)
         return self._output(y.to(hidden.dtype), z, head_mask), new_cache
 
     def _step(
         self, z: Tensor, xbc: Tensor, dt: Tensor, cache: MambaCache, head_mask: Tensor | None
     ) -> tuple[Tensor, MambaCache]:
-        """One decode token: z (b,1,d_inner), xbc (b,1,conv_dim), dt (b,1,H)."""
-        window = torch.cat([cache.conv, xbc.transpose(1, 2)], dim=-1)  # (b, conv_dim, K)
-        conv = (window * self.conv1d.weight.squeeze(1)).sum(-1)
+        """One decode token: z (b,1,d_inner), xbc (b,1,conv_dim), dt (b,1,H).
+
+        The conv window is built time-major, (b, K, conv_dim): the K-term sum then runs across rows,
+        which vectorises over channels (~3x faster at batch 16 than summing K contiguous values per
+        channel). The new conv state is a (b, conv_dim, K-1) view of it, time-major in memory.
+        """
+        window = torch.cat([cache.conv.transpose(1, 2), xbc], dim=1)  # (b, K, conv_dim)
+        conv = (window * self.conv1d.weight[:, 0].t().contiguous()).sum(1)
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias
         x, B, C, dt, A = self._ssm_inputs(F.silu(conv), dt[:, 0])
-        y, ssm = ssd_step(cache.ssm, x, dt, A, B, C, D=self.D.float())
+        ssm = cache.ssm
+        if cache.owned and not torch.is_grad_enabled() and ssm.dtype == torch.float32 and ssm.is_contiguous():
+            y = ssd_step_inplace(ssm, x, dt, A, B, C, D=self.D.float())
+        else:
+            y, ssm = ssd_step(ssm, x, dt, A, B, C, D=self.D.float())
         out = self._output(y.unsqueeze(1).to(z.dtype), z, head_mask)
-        return out, MambaCache(window[..., 1:], ssm)
+        return out, MambaCache(window[:, 1:].transpose(1, 2), ssm, owned=True)
 
     def _output(self, y: Tensor, z: Tensor, head_mask: Tensor | None) -> Tensor:
         """y: (b, l, H, P) -> gated group norm -> out_proj: (b, l, hidden)."""

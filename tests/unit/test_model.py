@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from model.cache import HybridCache, MambaCache, clone_cache
 from model.checkpoint import CheckpointError, read_tensors
 from model.config import HybridConfig
 from model.hybrid import HybridLM
@@ -40,6 +41,30 @@ def test_incremental_decoding_equals_full_forward(tiny_config, prefill):
         out = m(ids[:, t : t + 1], cache=cache)
         pieces.append(out.logits)
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_no_grad_decoding_updates_own_states_in_place_and_never_foreign_ones(tiny_config):
+    """Without autograd a step overwrites the SSM states the model created; a cache built elsewhere stays intact."""
+    m = _model(tiny_config)
+    ids = torch.randint(0, 64, (2, 12))
+    full = m(ids).logits
+    out = m(ids[:, :5], use_cache=True)
+    own = out.cache
+    foreign = HybridCache(
+        [MambaCache(c.conv.clone(), c.ssm.clone()) if isinstance(c, MambaCache) else c for c in clone_cache(own).layers]
+    )
+    originals = [c for c in foreign.layers if isinstance(c, MambaCache)]
+    kept = [c.ssm.clone() for c in originals]
+    own_ptrs = [c.ssm.data_ptr() for c in own.layers if isinstance(c, MambaCache)]
+    pieces_own, pieces_foreign = [out.logits], [out.logits]
+    for t in range(5, ids.shape[1]):
+        pieces_own.append(m(ids[:, t : t + 1], cache=own).logits)
+        pieces_foreign.append(m(ids[:, t : t + 1], cache=foreign).logits)
+    torch.testing.assert_close(torch.cat(pieces_own, 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(pieces_foreign, 1), full, atol=1e-5, rtol=1e-5)
+    assert [c.ssm.data_ptr() for c in own.layers if isinstance(c, MambaCache)] == own_ptrs  # written in place
+    assert all(torch.equal(c.ssm, k) for c, k in zip(originals, kept, strict=True))  # never written
 
 
 def test_chunked_prefill_after_cache_equals_full_forward(tiny_config):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.ssd import ssd_scan, ssd_scan_chunked, ssd_scan_reference, ssd_step
+from model.ssd import ssd_scan, ssd_scan_chunked, ssd_scan_reference, ssd_step, ssd_step_inplace
 
 ATOL = 1e-4
 
@@ -242,3 +242,16 @@ def test_step_bad_shapes_raise():
         bad[idx] = torch.zeros(shape)
         with pytest.raises(ValueError, match=rf"\b{name}\b"):
             ssd_step(*bad)
+
+
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_step_inplace_matches_step(ngroups: int):
+    inp = make_inputs(seqlen=3, ngroups=ngroups, with_d=True, with_init=True, seed=5)
+    state = inp["initial_state"].clone()
+    ref_state = inp["initial_state"]
+    for t in range(3):
+        args = (inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t])
+        y_ref, ref_state = ssd_step(ref_state, *args, D=inp["D"])
+        y = ssd_step_inplace(state, *args, D=inp["D"])
+        assert max_diff(y, y_ref) <= 1e-5
+        assert max_diff(state, ref_state) <= 1e-5

@@ -1,0 +1,221 @@
+"""Decode speed of every budget served as a VIEW of one weight copy, against the full model and the floor.
+
+For each model (the demo-sized parent and a ~120M-parameter one where weights dominate; random
+weights, three budgets each) and each budget, at batch 1:
+
+* ``ms/step``: the best (minimum) wall time over ``--steps`` cached single-token decode steps of the
+  budget's view model (:func:`model.budget_view.budget_model`) after a ``--prompt``-token prefill;
+  ``tok/s`` = 1000/that. The minimum is what the ratios use, because other processes on a shared
+  machine only ever add time; the median is shown beside it.
+* ``speedup``: full's step time / the budget's; ``param ratio``: full's active parameters / the
+  budget's. Target: speedup >= 0.9 x param ratio.
+* ``extracted``: the same step on a contiguous copy of the budget (``model.elastic.slicing.extract``),
+  to tell the cost of views (strided / split matmuls) from the cost of the model code itself.
+* ``floor``: the physical floor of a batch-1 step, the bytes of weights one token must read (active
+  parameters minus the embedding table, of which one row is read, times the dtype size) over the
+  measured memory read bandwidth. Target: step time within 1.5x of it.
+* Bandwidth: ``sum`` over a tensor much larger than the caches (a pure read), and ``clone`` (read +
+  write, both bytes counted), with the same thread count; best of 9, measured before and after.
+* ``lm_head layouts``: the largest single GEMV of a step, for each budget's hidden size, as the column
+  view a view model uses against a row prefix of the same matrix stored transposed.
+
+``--profile`` prints the top operators of the decode step of the demo parent and of the large
+model's full and smallest budgets (what dominates when a step is far from its floor).
+
+    python benchmarks/bench_budget_decode.py --threads 2 --json runs/bench_budget_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Timing, format_table, machine_info, save_json, set_threads, time_call  # noqa: E402
+from model.budget_view import budget_model  # noqa: E402
+from model.config import HybridConfig  # noqa: E402
+from model.elastic import Architecture, count_params  # noqa: E402
+from model.elastic.slicing import extract  # noqa: E402
+from model.hybrid import HybridLM  # noqa: E402
+
+DEMO = dict(  # components.parent.DEMO_PARENT_ARCH with the character tokenizer's vocabulary
+    vocab_size=112, hidden_size=64, pattern="M*EMEM-E", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+)  # fmt: skip
+DEMO_BUDGETS = {
+    "full": Architecture(),
+    "medium": Architecture(hidden=48, mamba_heads=6, moe_ffn=32, shared_ffn=48, mlp_ffn=96, experts=6),
+    "small": Architecture(hidden=32, mamba_heads=4, moe_ffn=16, shared_ffn=32, mlp_ffn=64, experts=4),
+}
+LARGE = dict(  # ~120M parameters, weights dominate a decode step
+    vocab_size=32000, hidden_size=1024, pattern="M*EMEM-E", num_attention_heads=16, num_key_value_heads=4,
+    head_dim=64, intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64, n_groups=4, ssm_state_size=64,
+    chunk_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+    moe_shared_expert_intermediate_size=2048,
+)  # fmt: skip
+LARGE_BUDGETS = {
+    "full": Architecture(),
+    "medium": Architecture(hidden=768, mamba_heads=24, moe_ffn=768, shared_ffn=1536, mlp_ffn=3072, experts=6),
+    "small": Architecture(hidden=512, mamba_heads=16, moe_ffn=512, shared_ffn=1024, mlp_ffn=2048, experts=4),
+}
+
+
+def bandwidth(threads: int, mbytes: int = 512) -> dict[str, float]:
+    """GB/s of a pure read (``sum``) and of a copy (``clone``: read + write counted), best of 9 runs."""
+    x = torch.rand(mbytes * 2**20 // 4)
+    read = time_call(lambda: x.sum(), warmup=2, repeats=9).min_s
+    copy = time_call(lambda: x.clone(), warmup=2, repeats=9).min_s
+    return {"read_gbs": x.nbytes / read / 1e9, "copy_gbs": 2 * x.nbytes / copy / 1e9, "threads": threads}
+
+
+def step_time(model: torch.nn.Module, prompt: int, steps: int, vocab: int) -> Timing:
+    """Seconds of one batch-1 decode step after a ``prompt``-token prefill (``steps`` samples)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, prompt), generator=g)
+    with torch.inference_mode():
+        res = model(ids, use_cache=True, logits_to_keep=1)
+        state = {"cache": res.cache, "tok": res.logits[:, -1].argmax(-1, keepdim=True)}
+
+        def one() -> None:
+            out = model(state["tok"], cache=state["cache"])
+            state["cache"], state["tok"] = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+
+        return time_call(one, warmup=3, repeats=steps)
+
+
+def lm_head_layouts(fields: dict, budgets: dict[str, Architecture], repeats: int = 15) -> list[dict[str, Any]]:
+    """Best ms of the lm_head GEMV of each budget: a column view of ``(vocab, hidden)`` (what a view model
+    does) against a row prefix of the same weight stored transposed, ``(hidden, vocab)``."""
+    config = HybridConfig(**fields)
+    w = torch.randn(config.vocab_size, config.hidden_size)
+    wt = w.t().contiguous()
+    rows = []
+    for name, arch in budgets.items():
+        h = arch.hidden or config.hidden_size
+        x, col_w, row_w = torch.randn(1, h), w[:, :h], wt[:h]
+        col = time_call(lambda x=x, m=col_w: torch.nn.functional.linear(x, m), warmup=2, repeats=repeats).min_s
+        row = time_call(lambda x=x, m=row_w: x @ m, warmup=2, repeats=repeats).min_s
+        rows.append({"budget": name, "hidden": h, "column_view_ms": 1e3 * col, "transposed_row_prefix_ms": 1e3 * row})
+    return rows
+
+
+def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -> int:
+    """Bytes of weights one token reads: active parameters, with one embedding row instead of the table."""
+    active = count_params(config, arch).active
+    hidden = arch.hidden or config.hidden_size
+    return (active - config.vocab_size * hidden + hidden) * itemsize
+
+
+def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: float, args) -> list[dict[str, Any]]:
+    config = HybridConfig(**fields)
+    full = HybridLM(config).init_weights(0).eval()
+    rows = []
+    for budget, arch in budgets.items():
+        view = budget_model(full, arch, name=budget)
+        copy = extract(full, arch).eval()
+        t_view = step_time(view, args.prompt, args.steps, config.vocab_size)
+        t_copy = step_time(copy, args.prompt, args.steps, config.vocab_size)
+        del copy
+        count = count_params(config, arch)
+        floor = weight_bytes_read(config, arch, 4) / (bw * 1e9)
+        rows.append(
+            {"model": name, "budget": budget, "total_params": count.total, "active_params": count.active,
+             "step_s": t_view.min_s, "median_step_s": t_view.median_s, "extracted_step_s": t_copy.min_s,
+             "floor_s": floor, "view_mode": view.mode}
+        )  # fmt: skip
+    full_row = rows[0]
+    for r in rows:
+        r["tok_s"] = 1.0 / r["step_s"]
+        r["speedup"] = full_row["step_s"] / r["step_s"]
+        r["param_ratio"] = full_row["active_params"] / r["active_params"]
+        r["speedup_target_met"] = r["speedup"] >= 0.9 * r["param_ratio"]
+        r["x_floor"] = r["step_s"] / r["floor_s"]
+        r["floor_target_met"] = r["x_floor"] <= 1.5
+    return rows
+
+
+def profile_step(fields: dict, arch: Architecture, prompt: int, steps: int, rows: int = 12) -> str:
+    """Top operators (self CPU time, grouped by input shapes) of ``steps`` decode steps of a budget's view."""
+    from torch.profiler import ProfilerActivity, profile
+
+    config = HybridConfig(**fields)
+    model = budget_model(HybridLM(config).init_weights(0).eval(), arch)
+    ids = torch.randint(0, config.vocab_size, (1, prompt))
+    with torch.inference_mode():
+        res = model(ids, use_cache=True, logits_to_keep=1)
+        cache, tok = res.cache, res.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(2):
+            cache = model(tok, cache=cache).cache
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(steps):
+                cache = model(tok, cache=cache).cache
+    table = prof.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=28, max_shapes_column_width=60
+    )
+    calls = sum(e.count for e in prof.key_averages())
+    return f"{calls / steps:.0f} operator calls per step\n{table}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=32, help="prefill length before the timed steps")
+    p.add_argument("--steps", type=int, default=30, help="timed decode steps per budget (median reported)")
+    p.add_argument("--skip-large", action="store_true", help="only the demo-sized model")
+    p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
+    p.add_argument("--json", type=str, default=None)
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    load = os.getloadavg()
+    bw = bandwidth(args.threads)
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s, "
+          f"copy {bw['copy_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
+    rows = bench_model("demo", DEMO, DEMO_BUDGETS, bw["read_gbs"], args)
+    if not args.skip_large:
+        rows += bench_model("large", LARGE, LARGE_BUDGETS, bw["read_gbs"], args)
+    headers = ["model", "budget", "active", "ms/step", "median ms", "tok/s", "speedup", "param ratio", "met",
+               "extracted ms", "floor ms", "x floor", "met"]  # fmt: skip
+    table = [
+        [r["model"], r["budget"], f"{r['active_params']:,}", 1e3 * r["step_s"], 1e3 * r["median_step_s"], r["tok_s"],
+         r["speedup"], r["param_ratio"], "yes" if r["speedup_target_met"] else "no", 1e3 * r["extracted_step_s"],
+         1e3 * r["floor_s"], r["x_floor"], "yes" if r["floor_target_met"] else "no"]
+        for r in rows
+    ]  # fmt: skip
+    print(format_table(headers, table))
+    heads = lm_head_layouts(
+        LARGE if not args.skip_large else DEMO, LARGE_BUDGETS if not args.skip_large else DEMO_BUDGETS
+    )
+    print(
+        format_table(
+            ["lm_head of budget", "hidden", "column view ms", "transposed row prefix ms"],
+            [[r["budget"], r["hidden"], r["column_view_ms"], r["transposed_row_prefix_ms"]] for r in heads],
+        )
+    )
+    bw_end = bandwidth(args.threads)
+    print(f"bandwidth at the end: read {bw_end['read_gbs']:.1f} GB/s; load average {os.getloadavg()[0]:.2f}")
+    prof = {}
+    if args.profile:
+        targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]
+        if not args.skip_large:
+            targets += [("large", b, LARGE, LARGE_BUDGETS[b], 5) for b in ("full", "small")]
+        for model_name, budget, fields, arch, steps in targets:
+            prof[f"{model_name}/{budget}"] = profile_step(fields, arch, args.prompt, steps)
+            print(f"\nprofile {model_name}/{budget} ({steps} steps):\n{prof[f'{model_name}/{budget}']}")
+    if args.json:
+        save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
+                              "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
+                              "profile": prof})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""Serving throughput with and without batching, and the resident memory of one weight copy for all budgets.
+
+Throughput (``--part throughput``): the Serve app on a local Ray over a random-weight nested checkpoint
+of the demo parent's shape (three budgets), HTTP on loopback. ``C`` concurrent clients (1, 4, 16)
+each send ``--requests`` chat requests in a row (greedy; prompts of one length, so concurrent rows
+can share a batch; fixed thinking cap and answer length). Reported: generated tokens/s (thinking +
+answer, as counted in ``usage``), requests/s and median latency, for ``batch_max_size`` 16
+(batching) and 1 (every request decoded alone, interleaved step by step).
+
+Memory (``--part memory``): in a fresh process per case, the serving state (engine and budget views,
+no Ray) is loaded with every budget, or with the full budget only, one request per served budget is
+answered (so caches and lazily built buffers exist), and the process's resident set size (psutil
+RSS) is read. Done for the demo-sized checkpoint and for a ~120M-parameter one where the weights
+dominate the process. Target: all budgets <= 1.1 x full only.
+
+    python benchmarks/bench_serving.py --part all --json runs/bench_serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_budget_decode import DEMO, DEMO_BUDGETS, LARGE, LARGE_BUDGETS  # noqa: E402
+from benchmarks.common import format_table, save_json  # noqa: E402
+
+PROBLEMS = ["1+2*3", "4-1*2", "5*5+1", "9-3+3", "2*2*2", "7+0-4", "3*3-1", "8+1+1"]
+
+
+def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
+    """A random-weight nested checkpoint with ``budgets`` and the character tokenizer."""
+    from components.data.tokenizer import CharTokenizer
+    from model.config import HybridConfig
+    from model.elastic import ElasticSpace, count_params
+    from model.elastic.budgets import BudgetSet
+    from model.elastic.export import export_nested
+    from model.hybrid import HybridLM
+
+    tok = CharTokenizer()
+    fields = {**fields, "vocab_size": tok.vocab_size} if vocab_from_tokenizer else dict(fields)
+    cfg = HybridConfig(**fields)
+    space_axes: dict[str, list[int]] = {}
+    for arch in budgets.values():
+        for axis, size in arch.to_dict().items():
+            space_axes.setdefault(axis, []).append(size)
+    full_sizes = {"hidden": cfg.hidden_size, "mamba_heads": cfg.mamba_num_heads, "moe_ffn": cfg.moe_intermediate_size,
+                  "shared_ffn": cfg.moe_shared_expert_intermediate_size, "mlp_ffn": cfg.intermediate_size,
+                  "experts": cfg.n_routed_experts}  # fmt: skip
+    space = ElasticSpace(**{a: sorted({full_sizes[a], *v}, reverse=True) for a, v in space_axes.items()})
+    model = HybridLM(cfg).init_weights(0).eval()
+    full = count_params(cfg).active
+    fractions = BudgetSet.of({n: round(count_params(cfg, a).active / full, 4) for n, a in budgets.items()})
+    tok_dir = tok.save(out / "tokenizer")
+    files = [tok_dir / "tokenizer.json", tok_dir / "tokenizer_config.json"]
+    return export_nested(model, budgets, fractions, space, out / "nested", extra_files=files)
+
+
+# ---------------------------------------------------------------------- throughput
+async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]]:
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for i in range(n):
+            body = {"model": args.model, "temperature": 0, "max_tokens": args.max_tokens,
+                    "reasoning_budget": args.think, "messages": [
+                        {"role": "user", "content": PROBLEMS[(offset + i) % len(PROBLEMS)]}]}  # fmt: skip
+            t0 = time.perf_counter()
+            r = await client.post("/v1/chat/completions", json=body)
+            r.raise_for_status()
+            out.append((time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]))
+    return out
+
+
+async def _run_clients(url: str, clients: int, args) -> dict[str, float]:
+    start = time.perf_counter()
+    per = await asyncio.gather(*(_client(url, args.requests, c * args.requests, args) for c in range(clients)))
+    wall = time.perf_counter() - start
+    flat = [x for p in per for x in p]
+    return {"clients": clients, "requests": len(flat), "wall_s": wall, "tokens_s": sum(t for _, t in flat) / wall,
+            "requests_s": len(flat) / wall, "p50_latency_s": statistics.median(lat for lat, _ in flat)}  # fmt: skip
+
+
+def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
+    import httpx
+    import ray
+    from ray import serve
+
+    from components.serving.app import build_app
+    from tests.conftest import free_port
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    rows = []
+    try:
+        for mode, size in (("batching", 16), ("no batching", 1)):
+            cfg = {"api_key_env": None, "batch_max_size": size, "batch_wait_timeout_s": 0.01,
+                   "max_ongoing_requests": 32, "max_queued_requests": 64, "torch_threads": args.threads,
+                   "autoscaling": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 16}}  # fmt: skip
+            serve.run(build_app({"model_uri": str(ckpt), "config": cfg}), name="bench", route_prefix="/")
+            while httpx.get(f"{url}/ready", timeout=30).status_code != 200:
+                time.sleep(0.5)
+            asyncio.run(_run_clients(url, 1, argparse.Namespace(**{**vars(args), "requests": 2})))  # warm up
+            for clients in args.clients:
+                row = asyncio.run(_run_clients(url, clients, args))
+                row["mode"] = mode
+                row["max_batch_size_seen"] = httpx.get(f"{url}/stats", timeout=30).json()["engine"]["max_batch_size"]
+                rows.append(row)
+                print(f"{mode:12s} clients={clients:3d} {row['tokens_s']:8.1f} tok/s "
+                      f"{row['requests_s']:6.2f} req/s p50 {row['p50_latency_s']:.2f}s", flush=True)  # fmt: skip
+            serve.delete("bench")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+# ---------------------------------------------------------------------- memory
+def _rss_child(ckpt: str, budgets: str) -> None:
+    """Child process: load, answer one request per served budget, print the RSS as JSON."""
+    import psutil
+
+    from components.serving.app import ServingState
+    from components.serving.config import ServingConfig
+    from components.serving.engine import Job
+    from model.generate import SamplingParams
+
+    names = None if budgets == "all" else budgets.split(",")
+    state = ServingState(ckpt, ServingConfig(api_key_env=None, budgets=names, torch_threads=2))
+    prompt = state.loaded.tokenizer.encode("<bos>Q:1+2*3\n<think>")
+
+    async def one(model: str) -> None:
+        job = Job(prompt, model, model, 8, 8, SamplingParams(), (), False, asyncio.get_running_loop())
+        state.engine.submit(job)
+        while (await job.events.get())[0] not in ("done", "error"):
+            pass
+
+    for name in state.cards:
+        asyncio.run(one(name))
+    mem = state.memory()
+    state.close()
+    print(json.dumps({"rss_bytes": psutil.Process().memory_info().rss, "weight_bytes": mem["weight_bytes"],
+                      "copied_bytes": sum(mem["copied_bytes"].values()), "budgets": list(state.cards)}))  # fmt: skip
+
+
+def memory(ckpts: dict[str, Path]) -> list[dict[str, Any]]:
+    rows = []
+    for name, ckpt in ckpts.items():
+        got = {}
+        for case in ("full", "all"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", str(ckpt), case], capture_output=True, text=True, check=True
+            )
+            got[case] = json.loads(out.stdout.strip().splitlines()[-1])
+        full, every = got["full"], got["all"]
+        ratio = every["rss_bytes"] / full["rss_bytes"]
+        rows.append({"model": name, "weight_mb": every["weight_bytes"] / 2**20,
+                     "rss_full_only_mb": full["rss_bytes"] / 2**20, "rss_all_mb": every["rss_bytes"] / 2**20,
+                     "ratio": ratio, "copied_kb": every["copied_bytes"] / 1024, "met": ratio <= 1.1,
+                     "budgets": every["budgets"]})  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["throughput", "memory", "all"], default="all")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=4, help="requests per client")
+    p.add_argument("--model", default="full", help="budget the clients ask for")
+    p.add_argument("--think", type=int, default=24, help="reasoning_budget of every request")
+    p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (answer) of every request")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
+    p.add_argument("--json", default=None)
+    p.add_argument("--rss-child", nargs=2, metavar=("CKPT", "BUDGETS"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rss_child:
+        _rss_child(*args.rss_child)
+        return 0
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    result: dict[str, Any] = {"load_average": load, "args": {k: v for k, v in vars(args).items() if k != "rss_child"}}
+    with tempfile.TemporaryDirectory() as tmp:
+        demo = build_checkpoint(Path(tmp) / "demo", DEMO, DEMO_BUDGETS, vocab_from_tokenizer=True)
+        if args.part in ("throughput", "all"):
+            rows = throughput(demo, args)
+            result["throughput"] = rows
+            print(format_table(
+                ["mode", "clients", "requests", "tokens/s", "requests/s", "p50 latency s", "max batch"],
+                [[r["mode"], r["clients"], r["requests"], r["tokens_s"], r["requests_s"], r["p50_latency_s"],
+                  r["max_batch_size_seen"]] for r in rows],
+            ))  # fmt: skip
+        if args.part in ("memory", "all"):
+            large = build_checkpoint(Path(tmp) / "large", LARGE, LARGE_BUDGETS, vocab_from_tokenizer=False)
+            rows = memory({"demo": demo, "large": large})
+            result["memory"] = rows
+            print(format_table(
+                ["model", "weights MB", "RSS full only MB", "RSS all budgets MB", "ratio", "copied KB", "<= 1.1"],
+                [[r["model"], r["weight_mb"], r["rss_full_only_mb"], r["rss_all_mb"], r["ratio"], r["copied_kb"],
+                  "yes" if r["met"] else "no"] for r in rows],
+            ))  # fmt: skip
+    result["load_average_end"] = os.getloadavg()
+    if args.json:
+        save_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""Serving: every budget of one nested checkpoint behind an OpenAI-compatible API on Ray Serve.
+
+``build_app(args)`` is the Serve application builder (``components.serving.app:build_app``),
+``serve_foreground(model_uri, port, config)`` serves locally until SIGTERM / Ctrl-C (what
+``star-elastic serve`` runs), ``ServingConfig`` documents every setting. The Ray-dependent entry
+points are imported on first use so that reading the config does not start importing Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from components.serving.config import AutoscalingSettings, ServingConfig, load_config
+
+__all__ = ["AutoscalingSettings", "ServingConfig", "build_app", "create_app", "load_config", "serve_foreground"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("build_app", "serve_foreground", "create_app"):
+        from components.serving import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'components.serving' has no attribute {name!r}")

@@ -1,0 +1,197 @@
+"""Configuration of the serving application: one typed, documented :class:`ServingConfig`.
+
+Design choices:
+
+* Every field that changes behaviour lives here, with a description, and unknown keys are
+  errors (``extra="forbid"``): a misspelt limit must not silently fall back to a default.
+* The Ray Serve deployment options (replica concurrency, the per-caller queue, autoscaling,
+  resources) are derived from the same object by :meth:`ServingConfig.deployment_options`, so the
+  values the replica enforces and the values Serve routes by cannot disagree. A declarative Serve
+  config (``serve deploy`` / a RayService ``serveConfigV2``) may still override the deployment
+  options; the request-level limits below stay with the application.
+* Backpressure is Serve's own: a replica takes at most ``max_ongoing_requests`` requests; further
+  requests wait at the caller (the HTTP proxy) up to ``max_queued_requests``; beyond that the proxy
+  answers 503 without reaching the replica (``max_queued_requests = -1`` means an unbounded queue
+  and therefore no 503 at all, so the default is bounded). Serve counts a request as queued until
+  it has been assigned to a replica, so ``max_queued_requests`` also bounds how many requests may
+  ARRIVE at once without a 503, even when the replica has room: keep it at least the expected
+  burst.
+* The API key may come from the configuration or, when the configuration has none, from the
+  environment variable named by ``api_key_env`` (how a Kubernetes secret is usually injected).
+* ``format`` says which weights to serve: ``auto`` takes the checkpoint as it is (dense, or the
+  FP8/NVFP4 recorded in its ``quantization_config``); ``fp8`` / ``nvfp4`` demand that format and,
+  for a registry URI, fetch the run's ``model-<format>`` artifact that the register stage logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
+DEPLOYMENT_NAME = "StarElasticServer"
+"""Name of the Serve deployment (``components.kuberay`` overrides its options by this name)."""
+APP_NAME = "star-elastic"
+
+
+class AutoscalingSettings(BaseModel):
+    """Ray Serve replica autoscaling (Serve scales replicas; on Kubernetes Ray scales the pods)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0, description="Fewest replicas (0 allows scale to zero).")
+    max_replicas: int = Field(1, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(None, ge=0, description="Replicas at start (default: min_replicas).")
+    target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing requests per replica to aim at.")
+    upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before scaling up.")
+    downscale_delay_s: float = Field(120.0, ge=0, description="How long load must stay low before scaling down.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        return self
+
+
+class ServingConfig(BaseModel):
+    """Everything the serving application needs besides the model URI."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # ---- access and request limits
+    api_key: str | None = Field(
+        None, description="Bearer token required on /v1/* routes; None: read api_key_env, and if unset, no auth."
+    )
+    api_key_env: str | None = Field(
+        DEFAULT_API_KEY_ENV, description="Environment variable holding the API key when api_key is None."
+    )
+    max_request_bytes: int = Field(64 * 1024, ge=256, description="Largest accepted request body; larger -> 413.")
+    max_tokens_limit: int = Field(
+        1024, ge=1, description="Largest accepted max_tokens and reasoning_budget; larger -> 400."
+    )
+    default_max_tokens: int = Field(128, ge=1, description="Answer tokens when a request gives no max_tokens.")
+    max_prompt_tokens: int = Field(2048, ge=1, description="Longest accepted prompt in tokens; longer -> 400.")
+
+    # ---- budget control
+    default_think_cap: int | None = Field(
+        None, ge=0, description="Thinking tokens when a request gives no reasoning_budget; None: think_limit."
+    )
+    think_limit: int = Field(
+        512, ge=1, description="Most thinking tokens of an uncapped thinking phase (cut like a cap if reached)."
+    )
+    allow_think_larger: bool = Field(
+        False, description="Allow think_model to be larger (active parameters) than the answering model."
+    )
+    budgets: list[str] | None = Field(
+        None, description="Serve only these budgets of the checkpoint (None: all). The weights are loaded once."
+    )
+
+    # ---- weights and compute
+    format: Literal["auto", "dense", "fp8", "nvfp4"] = Field(
+        "auto", description="Weights to serve: as stored (auto), or demand dense / fp8 / nvfp4."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype of dense tensors (auto: as stored)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the weights live (auto: cuda if any).")
+    cache_dequantized: bool = Field(
+        False,
+        description="FP8/NVFP4 only: keep a dense copy of each quantized weight after first use (faster on CPU, "
+        "but the resident weights are then no longer the single quantized copy).",
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads in the replica (None: torch's default; Ray sets it to the "
+        "replica's num_cpus).",
+    )
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI for models:/ URIs (None: the MLFLOW_TRACKING_URI variable)."
+    )
+    cache_dir: str | None = Field(None, description="Where s3:// and models:/ checkpoints are downloaded.")
+
+    # ---- batching and backpressure
+    batch_max_size: int = Field(16, ge=1, description="Most sequences decoded together in one batch (1: no batching).")
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0, le=5, description="How long an idle replica waits for more requests before it starts a batch."
+    )
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica handles at once (Serve).")
+    max_queued_requests: int = Field(
+        64, ge=-1, description="Requests waiting at each caller beyond that; more -> 503 (-1: unbounded, never 503)."
+    )
+
+    # ---- replicas
+    num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs each replica reserves.")
+    num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs each replica reserves.")
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings, description="Replica autoscaling.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServingConfig:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} > max_tokens_limit {self.max_tokens_limit}")
+        if self.default_think_cap is not None and self.default_think_cap > self.max_tokens_limit:
+            raise ValueError(f"default_think_cap {self.default_think_cap} > max_tokens_limit {self.max_tokens_limit}")
+        # Serve sends at most max_ongoing_requests to a replica: a higher target could never be reached.
+        if self.autoscaling.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError("autoscaling.target_ongoing_requests must be <= max_ongoing_requests")
+        return self
+
+    # ------------------------------------------------------------------ derived values
+    def resolved_api_key(self) -> str | None:
+        """The key requests must present, or None when the API is open."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return os.environ.get(self.api_key_env) or None
+        return None
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``Deployment.options`` for the serving deployment."""
+        auto = self.autoscaling.model_dump(exclude_none=True)
+        return {
+            "name": DEPLOYMENT_NAME,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "autoscaling_config": auto,
+            "ray_actor_options": {"num_cpus": self.num_cpus_per_replica, "num_gpus": self.num_gpus_per_replica},
+            # The health check runs on the replica's event loop; a long decode step must not fail it.
+            "health_check_timeout_s": 60.0,
+        }
+
+
+def load_config(
+    source: ServingConfig | Mapping[str, Any] | str | Path | None = None, **overrides: Any
+) -> ServingConfig:
+    """A :class:`ServingConfig` from an object, a dict, a YAML/JSON file path, or None (defaults).
+
+    ``overrides`` are field values applied on top (e.g. ``max_tokens_limit=256`` from ``serve run``
+    arguments, which arrive as strings and are converted by validation).
+    """
+    if isinstance(source, ServingConfig):
+        data = source.model_dump()
+    elif source is None:
+        data = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        path = Path(source)
+        text = path.read_text(encoding="utf-8")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a serving config must be a mapping, got {type(data).__name__}")
+        if isinstance(data.get("serve"), dict):  # a pipeline config: take its serve section
+            data = dict(data["serve"])
+    data.update(overrides)
+    return ServingConfig.model_validate(data)

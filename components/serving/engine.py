@@ -1,0 +1,533 @@
+"""The serving engine: one weight copy, every budget a model, a batched two-phase decode loop.
+
+Design choices:
+
+* Loading: the checkpoint (a folder, ``s3://`` or ``models:/NAME@alias``) is read ONCE; every
+  budget is a :class:`~model.budget_view.BudgetModel` of :class:`~model.budget_view.BudgetRegistry`,
+  i.e. views of the parent's tensors (or, for FP8/NVFP4 weights, which cannot be viewed as dense
+  slices, the parent's own quantized modules under the budget's hard mask). Serving every budget
+  therefore costs about the memory of serving the full one.
+* One decode thread owns the models and every cache. Requests arrive from the event loop through a
+  thread-safe inbox and leave as events posted back to the loop, so the loop (health checks,
+  streaming) never waits on a matmul, and two decode steps never compete for the same cores.
+* Batching is at the step level. A *row* is one request in one phase (thinking or answering); rows
+  that start from the same cached length and feed the same number of tokens to the same budget
+  form a *group* (the rule of :mod:`model.generate`: no padding ever enters a Mamba state, and a KV
+  cache has one length per batch). The thread steps every active group once per iteration, so new
+  requests start while older ones are still decoding instead of waiting for a whole batch to end.
+  Groups never merge once started (their KV lengths differ). An idle engine waits up to
+  ``batch_wait_timeout_s`` for concurrent requests before it starts a batch; ``batch_max_size``
+  bounds a group. Sampling, stops and limits are per row, so requests with different parameters
+  still share a batch.
+* The two phases follow :func:`model.phases.think_then_answer` exactly, using its helpers for the
+  cap cut and the resume state: thinking stops at ``</think>`` (or ``<eos>``) or at the cap, where
+  it is cut after its last line break; standard budget control (think budget = answer budget)
+  continues from the cache (a Mamba snapshot at the last line break when the cut needs one); elastic
+  budget control re-prefills ``prompt + thinking + </think>`` on the answering budget. Seeds are
+  ``row_seed(seed, 0)`` for thinking and ``row_seed(seed, 1)`` for answering, which is what
+  ``think_then_answer`` gives a one-prompt call, so a seeded request is reproducible whatever it
+  is batched with (up to float rounding of batched matmuls). That function itself is not called
+  because it decodes a whole phase per call; streaming needs each token as it is sampled.
+* Streaming: thinking is sent line by line (text after the last line break may still be cut by the
+  cap, so it is held back); the answer is sent as it grows, minus a tail as long as the longest stop
+  string (a stop string is never sent, as in the OpenAI API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import random
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from components.data.tokenizer import CharTokenizer
+from components.serving.config import ServingConfig
+from model.budget_view import BudgetRegistry
+from model.elastic.arch import Architecture
+from model.generate import (
+    RowOutput,
+    RowStart,
+    RowState,
+    SamplingParams,
+    row_seed,
+    sample_next,
+    stack_rows,
+    take_row,
+    truncate_at_stop,
+)
+from model.generate import _hit_stop_string as hit_stop_string
+from model.phases import PhaseTokens
+from model.phases import _kept as kept_thinking  # the cut rule of think_then_answer, shared on purpose
+from model.phases import _resume_state as resume_state  # ... and its resume rule
+
+Phase = Literal["think", "answer"]
+
+
+# ---------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class BudgetCard:
+    """What ``/v1/models`` says about one budget."""
+
+    name: str
+    total_params: int
+    active_params: int
+    active_fraction: float
+    architecture: dict[str, Any]
+
+
+def resolve_checkpoint(model_uri: str, config: ServingConfig) -> Path:
+    """A local folder for a path, an ``s3://`` prefix or a ``models:/`` registry URI."""
+    from components.storage import is_s3, materialize
+
+    if model_uri.startswith("models:/"):
+        from components.register import resolve_model_uri
+
+        dst = Path(config.cache_dir) / "models" if config.cache_dir else None
+        if dst is not None:
+            dst.mkdir(parents=True, exist_ok=True)
+        if config.format in ("fp8", "nvfp4"):  # the register stage logs formats as model-<fmt>
+            import mlflow
+
+            client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
+            name, _, ref = model_uri.removeprefix("models:/").partition("@")
+            mv = client.get_model_version_by_alias(name, ref) if ref else client.get_model_version(*name.split("/"))
+            model_uri = f"runs:/{mv.run_id}/model-{config.format}"
+        return resolve_model_uri(model_uri, config.tracking_uri, dst)
+    if is_s3(model_uri):
+        return materialize(model_uri, config.cache_dir)
+    path = Path(model_uri)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_uri}: not a checkpoint folder (no config.json)")
+    return path
+
+
+def _device(config: ServingConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device)
+
+
+@dataclass
+class LoadedModel:
+    """The registry of budget models over one weight copy, the tokenizer, and the budget cards."""
+
+    registry: BudgetRegistry
+    tokenizer: CharTokenizer
+    tokens: PhaseTokens
+    cards: dict[str, BudgetCard]
+    format: str
+    folder: Path
+
+    @classmethod
+    def load(cls, folder: str | Path, config: ServingConfig) -> LoadedModel:
+        from model.elastic.export import read_elastic
+        from model.elastic.params import count_params
+        from model.hybrid import HybridLM
+
+        folder = Path(folder)
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        algo = (raw.get("quantization_config") or {}).get("quant_algo")
+        fmt = {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo, "dense")
+        if config.format != "auto" and config.format != fmt:
+            raise ValueError(f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked")
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        if fmt == "dense":
+            full = HybridLM.from_pretrained(folder, dtype=dtype)
+        else:
+            from model.quant import load_quantized_model
+
+            full = load_quantized_model(folder, dtype=dtype, cache_dequantized=config.cache_dequantized)
+        full = full.to(_device(config)).eval()
+        if "elastic" in raw:
+            info = read_elastic(folder)
+            archs, order = info.architectures, info.depth_order
+            cards = {
+                b.name: BudgetCard(b.name, b.total_params, b.active_params, b.active_fraction, b.architecture.to_dict())
+                for b in info.budgets
+            }
+        else:
+            count = count_params(full.config)
+            archs, order = {"full": Architecture()}, None
+            cards = {"full": BudgetCard("full", count.total, count.active, 1.0, {})}
+        if config.budgets is not None:
+            unknown = sorted(set(config.budgets) - set(archs))
+            if unknown:
+                raise ValueError(f"budgets {unknown} are not in the checkpoint; it has {sorted(archs)}")
+            archs = {n: a for n, a in archs.items() if n in config.budgets}
+        registry = BudgetRegistry(full, archs, order)
+        tokenizer = CharTokenizer.load(folder)
+        cards = {n: cards[n] for n in registry.names}  # largest first
+        return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
+
+
+# ---------------------------------------------------------------------- requests and rows
+@dataclass
+class JobResult:
+    """A finished request: texts, token counts, how each phase ended, and timings (seconds)."""
+
+    reasoning: str | None
+    content: str
+    finish_reason: str
+    prompt_tokens: int
+    reasoning_tokens: int
+    answer_tokens: int
+    think_stop: str
+    answer_start: str
+    answer_fed: int
+    queued_s: float
+    first_token_s: float
+    total_s: float
+
+
+@dataclass(eq=False)
+class Job:
+    """One request. ``think_budget`` None: no thinking phase (a plain completion)."""
+
+    prompt: list[int]
+    answer_budget: str
+    think_budget: str | None
+    think_cap: int | None
+    max_tokens: int
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    created: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    think: RowOutput | None = None
+    think_kept: list[int] = field(default_factory=list)
+    think_stop: str = "none"
+    answer_start: str = "prefill"
+    answer_fed: int = 0
+    sent_think: int = 0  # thinking tokens already streamed
+    sent_chars: int = 0  # answer characters already streamed
+
+    def emit(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the request's loop is gone: nobody is listening any more
+            self.cancelled = True
+
+
+@dataclass(eq=False)
+class Row:
+    job: Job
+    phase: Phase
+    budget: str
+    start: RowStart
+    max_new: int
+    stop_ids: frozenset[int]
+    stop: tuple[str, ...]
+    seed: int | None
+    keep_state: bool = False
+    tokens: list[int] = field(default_factory=list)
+    reason: str = "length"
+    state: RowState | None = None
+    snapshot: RowState | None = None
+
+    def __post_init__(self) -> None:
+        p = self.job.sampling
+        self.greedy = p.temperature == 0
+        self.params = SamplingParams(temperature=p.temperature, top_p=p.top_p)
+        self.gen: torch.Generator | None = None  # made on the model's device when the row joins a group
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.gen is None and not self.greedy:
+            seed = self.seed if self.seed is not None else random.getrandbits(62)
+            self.gen = torch.Generator(device=device).manual_seed(seed)
+        return self.gen
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Rows with the same key can share a batch."""
+        return self.budget, self.start.state.length if self.start.state else 0, len(self.start.tokens)
+
+
+class Group:
+    """Rows decoded together on one budget model (the batched loop of :mod:`model.generate`)."""
+
+    def __init__(
+        self, model: torch.nn.Module, rows: list[Row], snapshot_ids: frozenset[int], decode: Callable[..., str]
+    ) -> None:
+        self.model, self.rows, self.snapshot_ids, self.decode = model, rows, snapshot_ids, decode
+        self.device = next(model.parameters()).device
+        for r in rows:
+            r.generator(self.device)
+        ids = torch.tensor([r.start.tokens for r in rows], dtype=torch.long, device=self.device)
+        states = [r.start.state for r in rows]
+        cache = stack_rows(states) if states[0] is not None else None
+        self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
+        res = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
+        self.cache, self.logits = res.cache, res.logits[:, -1]
+
+    def step(self) -> tuple[list[Row], list[Row]]:
+        """Sample one token for every row; returns (rows that got a token, rows that finished)."""
+        rows, logits = self.rows, self.logits
+        greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
+        stepped, finished, keep = list(rows), [], []
+        for j, row in enumerate(rows):
+            tok = greedy[j] if row.greedy else int(sample_next(logits[j : j + 1], row.params, row.gen))
+            row.tokens.append(tok)
+            if row.job.cancelled:
+                row.reason = "cancelled"
+            elif tok in row.stop_ids:
+                row.reason = "stop_id"
+            elif row.stop and hit_stop_string(row.tokens, row.stop, self.decode):
+                row.reason = "stop_string"
+            elif len(row.tokens) < row.max_new:
+                keep.append(j)
+                continue
+            if row.keep_state:  # the last token is not fed: the state holds everything before it
+                row.state = take_row(self.cache, j, self.length)
+            finished.append(row)
+        if len(keep) < len(rows):
+            self.rows = [rows[j] for j in keep]
+            if keep:
+                self.cache = self.cache.select(torch.tensor(keep, device=self.device))
+        if self.rows:
+            nxt = [r.tokens[-1] for r in self.rows]
+            res = self.model(torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None], cache=self.cache)
+            self.cache, self.logits = res.cache, res.logits[:, -1]
+            self.length += 1
+            for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
+                if row.keep_state and tok in self.snapshot_ids:
+                    row.snapshot = take_row(self.cache, j, self.length, kv=False)
+        return stepped, finished
+
+
+# ---------------------------------------------------------------------- the engine
+class EngineStopped(RuntimeError):
+    """The decode thread is not running (stopped or crashed)."""
+
+
+class Engine:
+    """Owns the loaded model and the decode thread. ``submit`` a :class:`Job`, read its ``events``.
+
+    Events: ``("reasoning", text)`` and ``("content", text)`` deltas (streaming jobs only), then
+    ``("done", JobResult)`` or ``("error", message)``.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: ServingConfig) -> None:
+        self.loaded, self.config = loaded, config
+        self.tokenizer, self.tokens = loaded.tokenizer, loaded.tokens
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._pending: list[Row] = []
+        self._groups: list[Group] = []
+        self.error: str | None = None
+        self.stats: dict[str, Any] = defaultdict(int)
+        self._thread = threading.Thread(target=self._run, name="star-elastic-decode", daemon=True)
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def submit(self, job: Job) -> None:
+        if not self.alive:
+            raise EngineStopped(self.error or "the decode thread is not running")
+        self._inbox.put(job)
+        self._wake.set()
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        return {**self.stats, "active_groups": len(self._groups), "pending_rows": len(self._pending)}
+
+    # ------------------------------------------------------------------ decode thread
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stop.is_set():
+                    self._iterate()
+        except BaseException as err:  # a bug here must surface in /ready and Serve's health check
+            self.error = f"decode thread crashed: {type(err).__name__}: {err}"
+            for job in {r.job for g in self._groups for r in g.rows} | {r.job for r in self._pending}:
+                job.emit("error", self.error)
+            raise
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            job.started = time.perf_counter()
+            self._pending.append(self._first_row(job))
+
+    def _wait(self, seconds: float) -> None:
+        self._wake.wait(max(seconds, 0.0))
+        self._wake.clear()
+        self._drain()
+
+    def _iterate(self) -> None:
+        self._drain()
+        if not self._groups and not self._pending:
+            self._wait(0.5)
+            return
+        if not self._groups:  # idle: give concurrent requests a moment to join the first batch
+            deadline = min(r.job.created for r in self._pending) + self.config.batch_wait_timeout_s
+            while len(self._pending) < self.config.batch_max_size and time.perf_counter() < deadline:
+                self._wait(deadline - time.perf_counter())
+        self._form_groups()
+        for group in self._groups:
+            self._step(group)
+        self._groups = [g for g in self._groups if g.rows]
+
+    def _form_groups(self) -> None:
+        by_key: dict[tuple[str, int, int], list[Row]] = defaultdict(list)
+        for row in self._pending:
+            if row.job.cancelled:
+                self.stats["cancelled_rows"] += 1
+            else:
+                by_key[row.key].append(row)
+        self._pending = []
+        size = self.config.batch_max_size
+        for key, rows in by_key.items():
+            model = self.loaded.registry.get(key[0])
+            for i in range(0, len(rows), size):
+                chunk = rows[i : i + size]
+                try:
+                    group = Group(model, chunk, self.tokens.line_breaks, self.tokenizer.decode)
+                except Exception as err:  # a failed prefill fails its requests, not the replica
+                    self._fail(chunk, err)
+                    continue
+                self._groups.append(group)
+                self.stats["batches"] += 1
+                self.stats["batched_rows"] += len(chunk)
+                self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(chunk))
+
+    def _step(self, group: Group) -> None:
+        try:
+            stepped, finished = group.step()
+        except Exception as err:
+            self._fail(group.rows, err)
+            group.rows = []
+            return
+        self.stats["decode_steps"] += 1
+        self.stats["generated_tokens"] += len(stepped)
+        now = time.perf_counter()
+        for row in stepped:
+            if row.job.first_token is None:
+                row.job.first_token = now
+            if row.job.stream and row.reason != "cancelled":
+                self._stream(row, done=row in finished)
+        for row in finished:
+            if row.reason == "cancelled":
+                self.stats["cancelled_rows"] += 1
+                continue
+            try:
+                self._think_done(row) if row.phase == "think" else self._answer_done(row)
+            except Exception as err:
+                self._fail([row], err)
+
+    def _fail(self, rows: Sequence[Row], err: Exception) -> None:
+        self.stats["failed_rows"] += len(rows)
+        for row in rows:
+            row.job.emit("error", f"generation failed: {type(err).__name__}: {err}")
+
+    # ------------------------------------------------------------------ phases
+    def _first_row(self, job: Job) -> Row:
+        t = self.tokens
+        seed = job.sampling.seed
+        if job.think_budget is None:  # plain completion: one phase on the prompt
+            return self._answer_row(job, RowStart(list(job.prompt)), row_seed(seed, 0) if seed is not None else None)
+        cap = self.config.think_limit if job.think_cap is None else job.think_cap
+        if cap == 0:  # answer directly: close the (empty) thinking and prefill
+            job.think_stop = "none"
+            return self._answer_row(job, RowStart([*job.prompt, t.think_close]), self._answer_seed(job))
+        same = job.think_budget == job.answer_budget
+        return Row(
+            job, "think", job.think_budget, RowStart(list(job.prompt)), cap,
+            frozenset((t.think_close, *t.think_stop_ids)), (), row_seed(seed, 0) if seed is not None else None,
+            keep_state=same,
+        )  # fmt: skip
+
+    def _answer_seed(self, job: Job) -> int | None:
+        return row_seed(job.sampling.seed, 1) if job.sampling.seed is not None else None
+
+    def _answer_row(self, job: Job, start: RowStart, seed: int | None) -> Row:
+        job.answer_fed = len(start.tokens)
+        stop_ids = frozenset(self.tokens.answer_stop_ids)
+        return Row(job, "answer", job.answer_budget, start, job.max_tokens, stop_ids, job.stop, seed)
+
+    def _think_done(self, row: Row) -> None:
+        job = row.job
+        out = RowOutput(row.tokens, row.reason, row.state, row.snapshot)  # type: ignore[arg-type]
+        job.think_kept, job.think_stop = kept_thinking(out, row.max_new, self.tokens, job.think_cap is not None)
+        job.think = out
+        if job.stream and job.sent_think < len(job.think_kept):
+            job.emit("reasoning", self.tokenizer.decode(job.think_kept[job.sent_think :]))
+            job.sent_think = len(job.think_kept)
+        seq = [*job.prompt, *job.think_kept, self.tokens.think_close]
+        state = resume_state(out, len(job.prompt) + len(job.think_kept)) if row.keep_state else None
+        if state is not None:
+            job.answer_start = "continued"
+            start = RowStart(seq[state.length :], state)
+        else:
+            job.answer_start = "re_prefill"
+            start = RowStart(seq)
+        self._pending.append(self._answer_row(job, start, self._answer_seed(job)))
+
+    def _answer_text(self, row: Row) -> str:
+        ids = row.tokens[:-1] if row.reason == "stop_id" else row.tokens
+        text = self.tokenizer.decode(ids)
+        return truncate_at_stop(text, row.stop) if row.reason == "stop_string" else text
+
+    def _stream(self, row: Row, done: bool) -> None:
+        job = row.job
+        if row.phase == "think":  # send complete lines only: a cap cuts after the last line break
+            if not done and row.tokens[-1] in self.tokens.line_breaks:
+                job.emit("reasoning", self.tokenizer.decode(row.tokens[job.sent_think :]))
+                job.sent_think = len(row.tokens)
+            return
+        text = self._answer_text(row) if done else self.tokenizer.decode(row.tokens)
+        safe = len(text) if done else len(text) - (max(map(len, row.stop)) - 1 if row.stop else 0)
+        if not done and text.endswith("\ufffd"):  # an incomplete multi-byte character
+            safe = min(safe, len(text) - 1)
+        if safe > job.sent_chars:
+            job.emit("content", text[job.sent_chars : safe])
+            job.sent_chars = safe
+
+    def _answer_done(self, row: Row) -> None:
+        job = row.job
+        now = time.perf_counter()
+        think_generated = len(job.think.tokens) if job.think is not None else 0
+        result = JobResult(
+            reasoning=self.tokenizer.decode(job.think_kept) if job.think_budget is not None else None,
+            content=self._answer_text(row),
+            finish_reason="length" if row.reason == "length" else "stop",
+            prompt_tokens=len(job.prompt),
+            reasoning_tokens=think_generated,
+            answer_tokens=len(row.tokens),
+            think_stop=job.think_stop,
+            answer_start=job.answer_start,
+            answer_fed=job.answer_fed,
+            queued_s=(job.started or now) - job.created,
+            first_token_s=(job.first_token or now) - job.created,
+            total_s=now - job.created,
+        )
+        self.stats["completed"] += 1
+        job.emit("done", result)

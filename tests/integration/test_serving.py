@@ -1,0 +1,439 @@
+"""The serving application for real: Ray Serve on a local Ray, HTTP on loopback, httpx and the openai client.
+
+One app per module (``serve.run`` costs ~10 s here) over a tiny random nested checkpoint with three
+budgets. The model's text is random; the tests check the protocol, budget routing, budget control
+(standard and elastic), streaming against non-streaming, errors, and that the replica survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+APP = "serving-test"
+KEY = "sk-test-key"
+BUDGETS = ["full", "medium", "small"]
+CONFIG = {
+    "api_key": KEY,
+    "max_request_bytes": 4096,
+    "max_tokens_limit": 64,
+    "default_max_tokens": 8,
+    "think_limit": 16,
+    "max_prompt_tokens": 200,
+    "batch_wait_timeout_s": 0.02,
+    "max_ongoing_requests": 16,
+    "max_queued_requests": 32,
+    "num_cpus_per_replica": 1,
+    "autoscaling": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 4},
+}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MESSAGES = [{"role": "system", "content": "ignored"}, {"role": "user", "content": "7+5*3-2"}]
+
+
+@pytest.fixture(scope="module")
+def base_url(serve_http, tiny_nested_checkpoint):
+    from ray import serve
+
+    from components.serving.app import build_app
+
+    serve.run(build_app({"model_uri": str(tiny_nested_checkpoint), "config": CONFIG}), name=APP, route_prefix="/")
+    url = f"http://127.0.0.1:{serve_http}"
+    deadline = time.time() + 60
+    while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
+        assert time.time() < deadline, "the app never became ready"
+        time.sleep(0.5)
+    yield url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, headers=AUTH, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def chat_body(model: str, **kw) -> dict:
+    return {"model": model, "messages": MESSAGES, "temperature": 0, "max_tokens": 6, "reasoning_budget": 6, **kw}
+
+
+def read_sse(response: httpx.Response) -> list[dict | str]:
+    """Parse an SSE body strictly: every event is ``data: ...`` followed by a blank line."""
+    events = []
+    for block in response.text.split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]"
+    return events
+
+
+# ---------------------------------------------------------------------- models
+def test_models_lists_every_budget_with_parameter_counts(http, tiny_nested_checkpoint):
+    section = json.loads((tiny_nested_checkpoint / "config.json").read_text())["elastic"]
+    data = http.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == BUDGETS
+    for card, budget in zip(data, section["budgets"], strict=True):
+        assert card["active_params"] == budget["active_params"]
+        assert card["total_params"] == budget["total_params"]
+        assert card["format"] == "dense"
+    assert data[0]["active_params"] > data[1]["active_params"] > data[2]["active_params"]
+    assert http.get("/v1/models/small").json()["id"] == "small"
+    assert http.get("/v1/models/nope").status_code == 404
+
+
+def test_one_weight_copy_serves_every_budget(http):
+    stats = http.get("/stats").json()
+    assert stats["models"] == BUDGETS
+    assert stats["copied_bytes"]["full"] == 0 and stats["copied_bytes"]["medium"] == 0
+    assert stats["copied_bytes"]["small"] < 0.05 * stats["weight_bytes"]  # conv channels only
+
+
+# ---------------------------------------------------------------------- chat: httpx
+@pytest.mark.parametrize("model", BUDGETS)
+def test_chat_every_budget_stream_and_not(http, model):
+    r = http.post("/v1/chat/completions", json=chat_body(model))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == model
+    msg, usage = body["choices"][0]["message"], body["usage"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str) and isinstance(msg["reasoning_content"], str)
+    assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] <= 6
+    assert usage["completion_tokens"] > usage["completion_tokens_details"]["reasoning_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens"] == len("<bos>Q:7+5*3-2\n<think>") - len("<bos><think>") + 2
+    assert body["budget_control"]["think_model"] == model and body["budget_control"]["answer_start"] == "continued"
+
+    streamed = http.post(
+        "/v1/chat/completions", json=chat_body(model, stream=True, stream_options={"include_usage": True})
+    )
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = read_sse(streamed)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content", "") for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert (reasoning, content) == (msg["reasoning_content"], msg["content"])  # greedy: same text either way
+    assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+    assert events[-2]["usage"] == usage
+
+
+def test_reasoning_budget_zero_answers_directly(http):
+    body = http.post("/v1/chat/completions", json=chat_body("medium", reasoning_budget=0)).json()
+    assert body["choices"][0]["message"]["reasoning_content"] == ""
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert body["budget_control"]["think_stop"] == "none"
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_are_cut(http):
+    req = chat_body("small", temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)
+    a, b = (http.post("/v1/chat/completions", json=req).json()["choices"][0] for _ in range(2))
+    assert a == b
+    text = a["message"]["content"]
+    if len(text) >= 3:  # stop at a string the unconstrained answer contains: it ends there, without it
+        stop = text[1:3]
+        cut = http.post("/v1/chat/completions", json={**req, "stop": [stop]}).json()["choices"][0]
+        assert cut["finish_reason"] == "stop" and cut["message"]["content"] == text[: text.find(stop)]
+
+
+# ---------------------------------------------------------------------- the official client
+@pytest.mark.parametrize("model", BUDGETS)
+def test_openai_client_every_budget(oai, model):
+    resp = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, temperature=0)
+    assert resp.model == model and resp.choices[0].message.content is not None
+    assert isinstance(resp.choices[0].message.reasoning_content, str)
+    assert resp.usage.completion_tokens_details.reasoning_tokens > 0
+    stream = oai.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, temperature=0, stream=True)
+    content = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert content == resp.choices[0].message.content
+
+
+def test_openai_client_elastic_pair(oai, http):
+    extra = {"think_model": "small", "reasoning_budget": 5}
+    resp = oai.chat.completions.create(model="full", messages=MESSAGES, max_tokens=5, temperature=0, extra_body=extra)
+    control = resp.model_extra["budget_control"]
+    assert control["think_model"] == "small" and control["answer_model"] == "full"
+    assert control["answer_start"] == "re_prefill"  # elastic: prompt + thinking re-read by the answering budget
+    assert resp.usage.completion_tokens_details.reasoning_tokens <= 5
+    stream = oai.chat.completions.create(
+        model="full", messages=MESSAGES, max_tokens=5, temperature=0, extra_body=extra, stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+    assert reasoning == resp.choices[0].message.reasoning_content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == resp.choices[0].message.content
+    # the same thinking, answered by the thinking budget itself (standard control on `small`)
+    alone = http.post("/v1/chat/completions", json=chat_body("small", reasoning_budget=5, max_tokens=5)).json()
+    assert alone["choices"][0]["message"]["reasoning_content"] == resp.choices[0].message.reasoning_content
+
+
+def test_openai_client_completions(oai):
+    plain = oai.completions.create(model="medium", prompt="<bos>Q:1+2\n", max_tokens=4, temperature=0)
+    assert plain.choices[0].model_extra["reasoning_content"] is None and plain.usage.completion_tokens <= 4
+    thinking = oai.completions.create(
+        model="full", prompt="<bos>Q:1+2\n<think>", max_tokens=4, temperature=0,
+        extra_body={"think_model": "medium", "reasoning_budget": 3},
+    )  # fmt: skip
+    assert thinking.usage.completion_tokens_details.reasoning_tokens <= 3
+    streamed = oai.completions.create(model="medium", prompt="<bos>Q:1+2\n", max_tokens=4, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+
+
+# ---------------------------------------------------------------------- errors
+def _corpus() -> list[tuple[str, dict, int, str]]:
+    """(what, request kwargs, expected status, expected `param` or message fragment)."""
+    ok = chat_body("full")
+    post = lambda body, **kw: {"method": "POST", "url": "/v1/chat/completions", "json": body, **kw}
+    raw = lambda content: {"method": "POST", "url": "/v1/chat/completions", "content": content}
+    return [
+        ("bad json", raw(b'{"model": "full", '), 400, "not valid JSON"),
+        ("not an object", raw(b"[1, 2]"), 400, "object"),
+        ("wrong type", post({**ok, "max_tokens": "5"}), 400, "max_tokens"),
+        ("wrong type nested", post({**ok, "messages": [{"role": "user", "content": 5}]}), 400, "messages.0.content"),
+        ("unknown role", post({**ok, "messages": [{"role": "robot", "content": "x"}]}), 400, "messages.0.role"),
+        ("no user message", post({**ok, "messages": [{"role": "system", "content": "x"}]}), 400, "messages"),
+        ("missing model", post({k: v for k, v in ok.items() if k != "model"}), 400, "model"),
+        ("unknown field", post({**ok, "reasoning_budgett": 3}), 400, "reasoning_budgett"),
+        ("unknown model", post({**ok, "model": "huge"}), 404, "model"),
+        ("negative max_tokens", post({**ok, "max_tokens": -1}), 400, "max_tokens"),
+        ("zero max_tokens", post({**ok, "max_tokens": 0}), 400, "max_tokens"),
+        ("huge max_tokens", post({**ok, "max_tokens": 10**9}), 400, "max_tokens"),
+        ("huge reasoning_budget", post({**ok, "reasoning_budget": 65}), 400, "reasoning_budget"),
+        ("negative reasoning_budget", post({**ok, "reasoning_budget": -2}), 400, "reasoning_budget"),
+        ("temperature out of range", post({**ok, "temperature": 3.5}), 400, "temperature"),
+        ("top_p zero", post({**ok, "top_p": 0}), 400, "top_p"),
+        ("n > 1", post({**ok, "n": 2}), 400, "n"),
+        ("too many stops", post({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
+        (
+            "special token in content",
+            post({**ok, "messages": [{"role": "user", "content": "1<think>"}]}),
+            400,
+            "special",
+        ),
+        ("unknown think_model", post({**ok, "think_model": "tiny"}), 400, "think_model"),
+        ("think_model larger", post({**ok, "model": "small", "think_model": "full"}), 400, "think_model"),
+        ("oversized body", post({**ok, "messages": [{"role": "user", "content": "1" * 5000}]}), 413, "bytes"),
+        ("no api key", post(ok, headers={"Authorization": ""}), 401, "API key"),
+        ("bad api key", post(ok, headers={"Authorization": "Bearer nope"}), 401, "API key"),
+        (
+            "think_model without thinking",
+            {
+                "method": "POST",
+                "url": "/v1/completions",
+                "json": {"model": "full", "prompt": "ab", "think_model": "small"},
+            },
+            400,
+            "think_model",
+        ),
+        (
+            "token id out of range",
+            {"method": "POST", "url": "/v1/completions", "json": {"model": "full", "prompt": [1, 99999]}},
+            400,
+            "prompt",
+        ),
+        ("unknown route", {"method": "GET", "url": "/v1/nothing"}, 404, "Not Found"),
+        ("wrong method", {"method": "GET", "url": "/v1/chat/completions"}, 405, "Method Not Allowed"),
+    ]
+
+
+def test_malformed_requests_are_clear_4xx_and_the_replica_survives(http, base_url):
+    from ray import serve
+
+    before = http.get("/health").json()
+    for what, kwargs, status, fragment in _corpus():
+        r = http.request(**kwargs)
+        assert r.status_code == status, (what, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, what
+        assert fragment in err["message"] or fragment == err["param"], (what, err)
+        assert err["message"], what
+    after = httpx.get(f"{base_url}/health", timeout=30)  # probes need no key
+    assert after.status_code == 200 and after.json()["status"] == "ok"
+    assert (after.json()["pid"], after.json()["started_at"]) == (before["pid"], before["started_at"])
+    status = serve.status().applications[APP]
+    assert status.status == "RUNNING"
+    assert http.post("/v1/chat/completions", json=chat_body("small")).status_code == 200
+
+
+def test_metrics_per_budget(http):
+    http.post("/v1/chat/completions", json=chat_body("medium"))
+    stats = http.get("/stats").json()
+    assert stats["metrics_exported_to_ray"] is True
+    ok = {(r["budget"], r["route"]) for r in stats["metrics"]["requests"] if r["status"] == 200}
+    assert {("full", "chat"), ("medium", "chat"), ("small", "chat")} <= ok
+    assert any(r["status"] == 400 for r in stats["metrics"]["requests"])
+    kinds = {(t["budget"], t["kind"]) for t in stats["metrics"]["tokens"]}
+    assert ("medium", "reasoning") in kinds and ("medium", "completion") in kinds
+    assert stats["rss_bytes"] > stats["weight_bytes"] > 0
+
+
+# ---------------------------------------------------------------------- the engine against the reference
+def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
+    """The server's incremental loop gives what model.phases.think_then_answer gives (batched, seeded)."""
+    from components.serving.config import ServingConfig
+    from components.serving.engine import Engine, Job, LoadedModel
+    from model.generate import SamplingParams
+    from model.phases import think_then_answer
+
+    cfg = ServingConfig(api_key_env=None, think_limit=12)
+    loaded = LoadedModel.load(tiny_nested_checkpoint, cfg)
+    engine = Engine(loaded, cfg).start()
+    tok = loaded.tokenizer
+    prompts = [tok.encode(p) for p in ("<bos>Q:1+2*3\n<think>", "<bos>Q:4-2*3\n<think>", "<bos>Q:4-2\n<think>")]
+
+    async def serve_all(think: str, answer: str, cap: int | None, sampling: SamplingParams):
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, answer, think, cap, 8, sampling, (), True, loop) for p in prompts]
+        for job in jobs:
+            engine.submit(job)
+        out = []
+        for job in jobs:
+            deltas = []
+            while (event := await job.events.get())[0] not in ("done", "error"):
+                deltas.append(event)
+            assert event[0] == "done", event
+            out.append((event[1], deltas))
+        return out
+
+    try:
+        for think, answer in [("medium", "medium"), ("small", "full")]:  # standard and elastic control
+            for cap in (None, 0, 3):
+                for sampling in (SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11)):
+                    got = asyncio.run(serve_all(think, answer, cap, sampling))
+                    for p, (res, deltas) in zip(prompts, got, strict=True):
+                        ref = think_then_answer(
+                            loaded.registry.get(think), loaded.registry.get(answer), loaded.tokens, [p], cap, 8,
+                            sampling, think_limit=12,
+                        )[0]  # fmt: skip
+                        ans = ref.answer_tokens[:-1] if ref.answer_stop == "stop_id" else ref.answer_tokens
+                        assert (res.reasoning, res.content) == (ref.think_text, tok.decode(ans))
+                        assert (res.think_stop, res.answer_start) == (ref.think_stop, ref.answer_start)
+                        assert res.reasoning_tokens == ref.think_generated
+                        assert "".join(d for k, d in deltas if k == "reasoning") == res.reasoning
+                        assert "".join(d for k, d in deltas if k == "content") == res.content
+        assert engine.snapshot_stats()["max_batch_size"] >= 2  # the two same-length prompts shared batches
+    finally:
+        engine.stop()
+
+
+# ---------------------------------------------------------------------- checkpoint sources and formats (no Ray)
+def _ask_every_budget(state) -> dict[str, dict]:
+    """Serve ``state`` through the FastAPI app in-process and ask every budget once (elastic for the largest)."""
+    from components.serving.app import create_app
+
+    async def run() -> dict[str, dict]:
+        transport = httpx.ASGITransport(app=create_app(state))
+        out = {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://app", headers=AUTH) as client:
+            models = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+            for model in models:
+                extra = {"think_model": models[-1]} if model == models[0] else {}
+                r = await client.post("/v1/chat/completions", json=chat_body(model, **extra))
+                assert r.status_code == 200, r.text
+                out[model] = r.json()
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        state.close()
+
+
+def test_fp8_checkpoint_serves_every_budget_from_one_quantized_copy(tiny_nested_checkpoint, tmp_path):
+    from components.serving.app import ServingState
+    from components.serving.config import ServingConfig
+    from model.quant import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
+    state = ServingState(str(fp8), ServingConfig(api_key=KEY, format="fp8", think_limit=8))
+    assert state.loaded.format == "fp8"
+    assert all(n == 0 for n in state.loaded.registry.copied_bytes().values())  # masked budgets: nothing copied
+    answers = _ask_every_budget(state)
+    assert list(answers) == BUDGETS and answers["full"]["budget_control"]["think_model"] == "small"
+    with pytest.raises(ValueError, match="holds dense weights"):
+        ServingState(str(tiny_nested_checkpoint), ServingConfig(format="nvfp4"))
+
+
+def test_loads_from_s3(s3_server, tiny_nested_checkpoint, tmp_path):
+    from components.serving.app import ServingState
+    from components.serving.config import ServingConfig
+    from components.storage import publish
+
+    uri = publish(tiny_nested_checkpoint, "s3://test-bucket/serving/nested")
+    state = ServingState(uri, ServingConfig(api_key=KEY, cache_dir=str(tmp_path / "cache"), think_limit=8))
+    assert state.loaded.folder.is_relative_to(tmp_path / "cache")
+    assert list(_ask_every_budget(state)) == BUDGETS
+
+
+def test_loads_from_the_registry_champion(mlflow_server, tiny_nested_checkpoint, tmp_path):
+    from components.register import RegisterConfig, run_register
+    from components.serving.app import ServingState
+    from components.serving.config import ServingConfig
+    from components.tracking import MlflowTracker
+
+    tracker = MlflowTracker(mlflow_server, "serving-test", run_name="register")
+    out = run_register(RegisterConfig(model_name="serving-test", checkpoint_uri=str(tiny_nested_checkpoint)), tracker)
+    tracker.finish()
+    assert out["promoted"]
+    cfg = ServingConfig(api_key=KEY, tracking_uri=mlflow_server, cache_dir=str(tmp_path / "cache"), think_limit=8)
+    state = ServingState("models:/serving-test@champion", cfg)
+    assert list(_ask_every_budget(state)) == BUDGETS
+
+
+# ---------------------------------------------------------------------- the CLI entry point
+@pytest.mark.slow
+def test_serve_foreground_stops_cleanly_on_sigterm(tiny_nested_checkpoint, tmp_path):
+    """``serve_foreground`` in its own process (its own local Ray): serves, then SIGTERM -> exit 0."""
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+
+    port = free_port()
+    code = (
+        "from components.serving.app import serve_foreground\n"
+        f"serve_foreground({str(tiny_nested_checkpoint)!r}, {port}, "
+        "{'api_key_env': None, 'num_cpus_per_replica': 0.5})\n"
+    )
+    with open(tmp_path / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _serve_then_sigterm(proc, port, tmp_path / "serve.log")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _serve_then_sigterm(proc, port: int, log) -> None:
+    import signal
+
+    deadline = time.time() + 150
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "serve_foreground never became ready"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body("small"), timeout=60)
+    assert r.status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(90) == 0, log.read_text()[-3000:]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
