@@ -35,8 +35,8 @@ from benchmarks.common import (  # noqa: E402
     Case,
     Timing,
     format_table,
-    load_average,
     machine_info,
+    other_cpu_load,
     save_json,
     set_threads,
     time_interleaved,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measure, both sides interleaved round by round (see :func:`~benchmarks.common.time_interleaved`)."""
     set_threads(args.threads)
     torch.manual_seed(args.seed)
-    load_before = load_average()
+    busy_before = other_cpu_load()
     cfg = bench_config(args.hidden, args.pattern, args.vocab)
     ours, hf = build_models(cfg, args.seed)
     parity = check_parity(ours, hf, cfg, args.prompt)
@@ -208,11 +208,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_v = results["transformers"][key]
         speedup[key] = ours_v / hf_v if key.endswith("per_s") else hf_v / ours_v
     machine = machine_info(args.threads)
-    machine["load_average_before"] = load_before
+    machine["other_cpu_load_before"] = busy_before
+    machine["other_cpu_load_after"] = other_cpu_load()
     return {
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "machine": machine,
         "config": cfg.to_hf_dict(),
+        "transformers": {
+            "version": transformers_version(),
+            "attn_implementation": getattr(hf.config, "_attn_implementation", None),
+            "experts_implementation": getattr(hf.config, "_experts_implementation", None),
+        },
         "parameters": ours.num_parameters(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "parity": parity,
@@ -230,7 +236,14 @@ ROWS = [
 ]
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def report(out: dict[str, Any]) -> str:
+    """The figures as a Markdown table under a few lines of context (machine, settings, parity, load)."""
     s = out["settings"]
     rows = []
     for key, label, target in ROWS:
@@ -241,13 +254,20 @@ def report(out: dict[str, Any]) -> str:
     table = format_table(["measure", "ours", "transformers", "speedup", "target", "met"], rows)
     m = out["machine"]
     p = out["parity"]
+    t = out["transformers"]
     head = (
         f"pattern {s['pattern']}, hidden {s['hidden']}, vocab {s['vocab']}, {out['parameters']:,} parameters; "
         f"{s['threads']} threads on {m.get('cpu_model', m['processor'])} ({m['cpu_count']} CPUs), torch {m['torch']}\n"
         f"median of {s['repeats']} after {s['warmup']} warmup; decode: {s['prompt']}-token prompt, "
         f"{s['decode_steps']} steps timed\n"
-        f"parity: forward max|diff| {p['forward_max_abs_diff']:.2e}, decode step {p['decode_step_max_abs_diff']:.2e}"
+        f"parity: forward max|diff| {p['forward_max_abs_diff']:.2e}, decode step {p['decode_step_max_abs_diff']:.2e}\n"
+        f"transformers {t['version']} (attention: {t['attn_implementation']}, experts: {t['experts_implementation']})"
     )
+    before, after = m.get("other_cpu_load_before"), m.get("other_cpu_load_after")
+    if before is not None and after is not None:
+        head += f"\nCPU used by other processes: {100 * before:.0f}% before the run, {100 * after:.0f}% after"
+        if max(before, after) > 0.1:
+            head += "  <- busy machine: figures unreliable (the sides are interleaved, so ratios suffer less)"
     return head + "\n\n" + table
 
 

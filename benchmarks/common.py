@@ -94,6 +94,28 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies over all CPUs from /proc/stat (None where it does not exist)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return fields[3] + (fields[4] if len(fields) > 4 else 0), sum(fields)
+
+
+def other_cpu_load(seconds: float = 1.0) -> float | None:
+    """Share of all CPUs busy during ``seconds`` of sleep here, i.e. used by other processes (0..1).
+
+    The load average trails by minutes; this says whether the machine is busy right now.
+    """
+    before = _cpu_times()
+    time.sleep(seconds)
+    after = _cpu_times()
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return 1.0 - (after[0] - before[0]) / (after[1] - before[1])
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     """What the figures depend on: CPU, core count, versions, threads used."""
     info: dict[str, Any] = {

@@ -12,6 +12,13 @@ Entry points:
   SIGTERM or Ctrl-C, then ``serve.shutdown()``.
 * ``create_app(state)``: the FastAPI app alone (no Ray), e.g. under uvicorn or in a benchmark.
 
+Examples::
+
+    serve run components.serving.app:build_app model_uri=models:/star-elastic-demo@champion
+    python -c "from components.serving import serve_foreground; serve_foreground('runs/demo/latest', 8000)"
+    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "full",
+      "messages": [{"role": "user", "content": "7+5*3-2"}], "reasoning_budget": 64, "think_model": "small"}'
+
 Routes: ``GET /health`` (liveness, with the replica's pid and start time), ``GET /ready``,
 ``GET /v1/models`` (every budget with total/active parameters), ``GET /v1/models/{id}``,
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming or not), ``GET /stats``
@@ -48,8 +55,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from components.serving import protocol as P
-from components.serving.config import APP_NAME, ServingConfig, load_config
-from components.serving.engine import Engine, EngineStopped, Job, JobResult, LoadedModel, resolve_checkpoint
+from components.serving.config import APP_NAME, ServingConfig, load_config, resolve_checkpoint
+from components.serving.engine import Engine, EngineStopped, Job, JobResult, LoadedModel
 from components.serving.metrics import ServingMetrics
 from model.generate import SamplingParams
 
@@ -79,13 +86,14 @@ class ServingState:
     def memory(self) -> dict[str, Any]:
         import psutil
 
-        from model.budget_view import _storages
-
         registry = self.loaded.registry
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in registry.full.state_dict().values()
+        }
         return {
             "rss_bytes": psutil.Process().memory_info().rss,
-            "weight_bytes": sum(_storages(registry.full).values()),
-            "copied_bytes": registry.copied_bytes(),
+            "weight_bytes": sum(storages.values()),  # the one weight copy (each storage counted once)
+            "copied_bytes": registry.copied_bytes(),  # per budget: what building its model allocated
         }
 
     # ------------------------------------------------------------------ request -> job
@@ -119,7 +127,9 @@ class ServingState:
             return default
         cap = self.config.max_tokens_limit
         if not minimum <= value <= cap:
-            raise P.OpenAIError(400, f"{name}: must be between {minimum} and {cap}, got {value}", param=name)
+            raise P.OpenAIError(
+                400, f"{name}: must be between {minimum} and {cap}, got {value}", param=name, code="invalid_value"
+            )
         return value
 
     def check_budget(self, name: str, param: str) -> str:

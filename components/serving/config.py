@@ -18,6 +18,8 @@ Design choices:
   burst.
 * The API key may come from the configuration or, when the configuration has none, from the
   environment variable named by ``api_key_env`` (how a Kubernetes secret is usually injected).
+* ``resolve_checkpoint`` turns the model URI into a local folder with these settings (download
+  cache, tracking server, format).
 * ``format`` says which weights to serve: ``auto`` takes the checkpoint as it is (dense, or the
   FP8/NVFP4 recorded in its ``quantization_config``); ``fp8`` / ``nvfp4`` demand that format and,
   for a registry URI, fetch the run's ``model-<format>`` artifact that the register stage logs.
@@ -195,3 +197,29 @@ def load_config(
             data = dict(data["serve"])
     data.update(overrides)
     return ServingConfig.model_validate(data)
+
+
+def resolve_checkpoint(model_uri: str, config: ServingConfig) -> Path:
+    """A local folder for a path, an ``s3://`` prefix or a ``models:/`` registry URI."""
+    from components.storage import is_s3, materialize  # imported here: boto3 and mlflow are heavy
+
+    if model_uri.startswith("models:/"):
+        from components.register import resolve_model_uri
+
+        dst = Path(config.cache_dir) / "models" if config.cache_dir else None
+        if dst is not None:
+            dst.mkdir(parents=True, exist_ok=True)
+        if config.format in ("fp8", "nvfp4"):  # the register stage logs formats as model-<fmt>
+            import mlflow
+
+            client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
+            name, _, ref = model_uri.removeprefix("models:/").partition("@")
+            mv = client.get_model_version_by_alias(name, ref) if ref else client.get_model_version(*name.split("/"))
+            model_uri = f"runs:/{mv.run_id}/model-{config.format}"
+        return resolve_model_uri(model_uri, config.tracking_uri, dst)
+    if is_s3(model_uri):
+        return materialize(model_uri, config.cache_dir)
+    path = Path(model_uri)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_uri}: not a checkpoint folder (no config.json)")
+    return path

@@ -16,9 +16,10 @@ Design choices:
   cache has one length per batch). The thread steps every active group once per iteration, so new
   requests start while older ones are still decoding instead of waiting for a whole batch to end.
   Groups never merge once started (their KV lengths differ). An idle engine waits up to
-  ``batch_wait_timeout_s`` for concurrent requests before it starts a batch; ``batch_max_size``
-  bounds a group. Sampling, stops and limits are per row, so requests with different parameters
-  still share a batch.
+  ``batch_wait_timeout_s`` for concurrent requests before it starts a batch, but only while traffic
+  is concurrent (two or more requests in flight within the last second): a lone client never pays
+  the wait. ``batch_max_size`` bounds a group. Sampling, stops and limits are per row, so requests
+  with different parameters still share a batch.
 * The two phases follow :func:`model.phases.think_then_answer` exactly, using its helpers for the
   cap cut and the resume state: thinking stops at ``</think>`` (or ``<eos>``) or at the cap, where
   it is cut after its last line break; standard budget control (think budget = answer budget)
@@ -51,25 +52,12 @@ import torch
 
 from components.data.tokenizer import CharTokenizer
 from components.serving.config import ServingConfig
+from model import generate as gen  # the primitives of model.generate's batched loop
 from model.budget_view import BudgetRegistry
 from model.elastic.arch import Architecture
-from model.generate import (
-    RowOutput,
-    RowStart,
-    RowState,
-    SamplingParams,
-    row_seed,
-    sample_next,
-    stack_rows,
-    take_row,
-    truncate_at_stop,
-)
-from model.generate import _hit_stop_string as hit_stop_string
 from model.phases import PhaseTokens
 from model.phases import _kept as kept_thinking  # the cut rule of think_then_answer, shared on purpose
 from model.phases import _resume_state as resume_state  # ... and its resume rule
-
-Phase = Literal["think", "answer"]
 
 
 # ---------------------------------------------------------------------- loading
@@ -82,38 +70,6 @@ class BudgetCard:
     active_params: int
     active_fraction: float
     architecture: dict[str, Any]
-
-
-def resolve_checkpoint(model_uri: str, config: ServingConfig) -> Path:
-    """A local folder for a path, an ``s3://`` prefix or a ``models:/`` registry URI."""
-    from components.storage import is_s3, materialize
-
-    if model_uri.startswith("models:/"):
-        from components.register import resolve_model_uri
-
-        dst = Path(config.cache_dir) / "models" if config.cache_dir else None
-        if dst is not None:
-            dst.mkdir(parents=True, exist_ok=True)
-        if config.format in ("fp8", "nvfp4"):  # the register stage logs formats as model-<fmt>
-            import mlflow
-
-            client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
-            name, _, ref = model_uri.removeprefix("models:/").partition("@")
-            mv = client.get_model_version_by_alias(name, ref) if ref else client.get_model_version(*name.split("/"))
-            model_uri = f"runs:/{mv.run_id}/model-{config.format}"
-        return resolve_model_uri(model_uri, config.tracking_uri, dst)
-    if is_s3(model_uri):
-        return materialize(model_uri, config.cache_dir)
-    path = Path(model_uri)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_uri}: not a checkpoint folder (no config.json)")
-    return path
-
-
-def _device(config: ServingConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
 
 
 @dataclass
@@ -146,7 +102,8 @@ class LoadedModel:
             from model.quant import load_quantized_model
 
             full = load_quantized_model(folder, dtype=dtype, cache_dequantized=config.cache_dequantized)
-        full = full.to(_device(config)).eval()
+        device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        full = full.to(device).eval()
         if "elastic" in raw:
             info = read_elastic(folder)
             archs, order = info.architectures, info.depth_order
@@ -183,7 +140,6 @@ class JobResult:
     think_stop: str
     answer_start: str
     answer_fed: int
-    queued_s: float
     first_token_s: float
     total_s: float
 
@@ -197,7 +153,7 @@ class Job:
     think_budget: str | None
     think_cap: int | None
     max_tokens: int
-    sampling: SamplingParams
+    sampling: gen.SamplingParams
     stop: tuple[str, ...]
     stream: bool
     loop: asyncio.AbstractEventLoop
@@ -206,7 +162,7 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
-    think: RowOutput | None = None
+    think: gen.RowOutput | None = None
     think_kept: list[int] = field(default_factory=list)
     think_stop: str = "none"
     answer_start: str = "prefill"
@@ -223,10 +179,12 @@ class Job:
 
 @dataclass(eq=False)
 class Row:
+    """One request in one phase: what to feed, where to stop, and what it has generated so far."""
+
     job: Job
-    phase: Phase
+    phase: Literal["think", "answer"]
     budget: str
-    start: RowStart
+    start: gen.RowStart
     max_new: int
     stop_ids: frozenset[int]
     stop: tuple[str, ...]
@@ -234,13 +192,13 @@ class Row:
     keep_state: bool = False
     tokens: list[int] = field(default_factory=list)
     reason: str = "length"
-    state: RowState | None = None
-    snapshot: RowState | None = None
+    state: gen.RowState | None = None
+    snapshot: gen.RowState | None = None
 
     def __post_init__(self) -> None:
         p = self.job.sampling
         self.greedy = p.temperature == 0
-        self.params = SamplingParams(temperature=p.temperature, top_p=p.top_p)
+        self.params = gen.SamplingParams(temperature=p.temperature, top_p=p.top_p)
         self.gen: torch.Generator | None = None  # made on the model's device when the row joins a group
 
     def generator(self, device: torch.device) -> torch.Generator | None:
@@ -267,7 +225,7 @@ class Group:
             r.generator(self.device)
         ids = torch.tensor([r.start.tokens for r in rows], dtype=torch.long, device=self.device)
         states = [r.start.state for r in rows]
-        cache = stack_rows(states) if states[0] is not None else None
+        cache = gen.stack_rows(states) if states[0] is not None else None
         self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
         res = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         self.cache, self.logits = res.cache, res.logits[:, -1]
@@ -278,19 +236,19 @@ class Group:
         greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
         stepped, finished, keep = list(rows), [], []
         for j, row in enumerate(rows):
-            tok = greedy[j] if row.greedy else int(sample_next(logits[j : j + 1], row.params, row.gen))
+            tok = greedy[j] if row.greedy else int(gen.sample_next(logits[j : j + 1], row.params, row.gen))
             row.tokens.append(tok)
             if row.job.cancelled:
                 row.reason = "cancelled"
             elif tok in row.stop_ids:
                 row.reason = "stop_id"
-            elif row.stop and hit_stop_string(row.tokens, row.stop, self.decode):
+            elif row.stop and gen._hit_stop_string(row.tokens, row.stop, self.decode):
                 row.reason = "stop_string"
             elif len(row.tokens) < row.max_new:
                 keep.append(j)
                 continue
             if row.keep_state:  # the last token is not fed: the state holds everything before it
-                row.state = take_row(self.cache, j, self.length)
+                row.state = gen.take_row(self.cache, j, self.length)
             finished.append(row)
         if len(keep) < len(rows):
             self.rows = [rows[j] for j in keep]
@@ -303,7 +261,7 @@ class Group:
             self.length += 1
             for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
                 if row.keep_state and tok in self.snapshot_ids:
-                    row.snapshot = take_row(self.cache, j, self.length, kv=False)
+                    row.snapshot = gen.take_row(self.cache, j, self.length, kv=False)
         return stepped, finished
 
 
@@ -329,6 +287,8 @@ class Engine:
         self._stop = threading.Event()
         self._pending: list[Row] = []
         self._groups: list[Group] = []
+        self._inflight = 0  # jobs admitted and not finished
+        self._concurrent_until = 0.0  # traffic counts as concurrent until then (perf_counter)
         self.error: str | None = None
         self.stats: dict[str, Any] = defaultdict(int)
         self._thread = threading.Thread(target=self._run, name="star-elastic-decode", daemon=True)
@@ -375,6 +335,9 @@ class Engine:
             except queue.Empty:
                 return
             job.started = time.perf_counter()
+            self._inflight += 1
+            if self._inflight > 1:
+                self._concurrent_until = job.started + 1.0
             self._pending.append(self._first_row(job))
 
     def _wait(self, seconds: float) -> None:
@@ -387,7 +350,8 @@ class Engine:
         if not self._groups and not self._pending:
             self._wait(0.5)
             return
-        if not self._groups:  # idle: give concurrent requests a moment to join the first batch
+        if not self._groups and time.perf_counter() < self._concurrent_until:
+            # idle under concurrent traffic: give the other requests a moment to join the first batch
             deadline = min(r.job.created for r in self._pending) + self.config.batch_wait_timeout_s
             while len(self._pending) < self.config.batch_max_size and time.perf_counter() < deadline:
                 self._wait(deadline - time.perf_counter())
@@ -400,7 +364,7 @@ class Engine:
         by_key: dict[tuple[str, int, int], list[Row]] = defaultdict(list)
         for row in self._pending:
             if row.job.cancelled:
-                self.stats["cancelled_rows"] += 1
+                self._finished("cancelled_rows")
             else:
                 by_key[row.key].append(row)
         self._pending = []
@@ -436,46 +400,47 @@ class Engine:
                 self._stream(row, done=row in finished)
         for row in finished:
             if row.reason == "cancelled":
-                self.stats["cancelled_rows"] += 1
+                self._finished("cancelled_rows")
                 continue
             try:
                 self._think_done(row) if row.phase == "think" else self._answer_done(row)
             except Exception as err:
                 self._fail([row], err)
 
+    def _finished(self, counter: str) -> None:
+        self._inflight -= 1
+        self.stats[counter] += 1
+
     def _fail(self, rows: Sequence[Row], err: Exception) -> None:
-        self.stats["failed_rows"] += len(rows)
-        for row in rows:
+        for row in rows:  # a job has one live row at a time: one row per job
+            self._finished("failed_rows")
             row.job.emit("error", f"generation failed: {type(err).__name__}: {err}")
 
     # ------------------------------------------------------------------ phases
     def _first_row(self, job: Job) -> Row:
-        t = self.tokens
-        seed = job.sampling.seed
+        t, seed = self.tokens, job.sampling.seed
+        first_seed = gen.row_seed(seed, 0) if seed is not None else None
         if job.think_budget is None:  # plain completion: one phase on the prompt
-            return self._answer_row(job, RowStart(list(job.prompt)), row_seed(seed, 0) if seed is not None else None)
+            return self._answer_row(job, gen.RowStart(list(job.prompt)), first_seed)
         cap = self.config.think_limit if job.think_cap is None else job.think_cap
         if cap == 0:  # answer directly: close the (empty) thinking and prefill
-            job.think_stop = "none"
-            return self._answer_row(job, RowStart([*job.prompt, t.think_close]), self._answer_seed(job))
-        same = job.think_budget == job.answer_budget
-        return Row(
-            job, "think", job.think_budget, RowStart(list(job.prompt)), cap,
-            frozenset((t.think_close, *t.think_stop_ids)), (), row_seed(seed, 0) if seed is not None else None,
-            keep_state=same,
-        )  # fmt: skip
+            return self._answer_row(job, gen.RowStart([*job.prompt, t.think_close]), self._answer_seed(job))
+        stops = frozenset((t.think_close, *t.think_stop_ids))
+        same = job.think_budget == job.answer_budget  # standard control keeps states to continue from
+        start = gen.RowStart(list(job.prompt))
+        return Row(job, "think", job.think_budget, start, cap, stops, (), first_seed, keep_state=same)
 
     def _answer_seed(self, job: Job) -> int | None:
-        return row_seed(job.sampling.seed, 1) if job.sampling.seed is not None else None
+        return gen.row_seed(job.sampling.seed, 1) if job.sampling.seed is not None else None
 
-    def _answer_row(self, job: Job, start: RowStart, seed: int | None) -> Row:
+    def _answer_row(self, job: Job, start: gen.RowStart, seed: int | None) -> Row:
         job.answer_fed = len(start.tokens)
         stop_ids = frozenset(self.tokens.answer_stop_ids)
         return Row(job, "answer", job.answer_budget, start, job.max_tokens, stop_ids, job.stop, seed)
 
     def _think_done(self, row: Row) -> None:
         job = row.job
-        out = RowOutput(row.tokens, row.reason, row.state, row.snapshot)  # type: ignore[arg-type]
+        out = gen.RowOutput(row.tokens, row.reason, row.state, row.snapshot)  # type: ignore[arg-type]
         job.think_kept, job.think_stop = kept_thinking(out, row.max_new, self.tokens, job.think_cap is not None)
         job.think = out
         if job.stream and job.sent_think < len(job.think_kept):
@@ -485,16 +450,16 @@ class Engine:
         state = resume_state(out, len(job.prompt) + len(job.think_kept)) if row.keep_state else None
         if state is not None:
             job.answer_start = "continued"
-            start = RowStart(seq[state.length :], state)
+            start = gen.RowStart(seq[state.length :], state)
         else:
             job.answer_start = "re_prefill"
-            start = RowStart(seq)
+            start = gen.RowStart(seq)
         self._pending.append(self._answer_row(job, start, self._answer_seed(job)))
 
     def _answer_text(self, row: Row) -> str:
         ids = row.tokens[:-1] if row.reason == "stop_id" else row.tokens
         text = self.tokenizer.decode(ids)
-        return truncate_at_stop(text, row.stop) if row.reason == "stop_string" else text
+        return gen.truncate_at_stop(text, row.stop) if row.reason == "stop_string" else text
 
     def _stream(self, row: Row, done: bool) -> None:
         job = row.job
@@ -525,9 +490,8 @@ class Engine:
             think_stop=job.think_stop,
             answer_start=job.answer_start,
             answer_fed=job.answer_fed,
-            queued_s=(job.started or now) - job.created,
             first_token_s=(job.first_token or now) - job.created,
             total_s=now - job.created,
         )
-        self.stats["completed"] += 1
+        self._finished("completed")
         job.emit("done", result)

@@ -16,6 +16,12 @@ Design choices:
   client exposes it as an attribute of the message. ``usage.completion_tokens`` counts every
   generated token, thinking included, and ``completion_tokens_details.reasoning_tokens`` the
   thinking ones (tokens cut at a cap included: they were computed).
+* Defaults are the OpenAI API's (``temperature`` 1, ``top_p`` 1); ``temperature`` 0 is greedy.
+  ``stop`` strings end the ANSWER (thinking ends at ``</think>`` or the budget) and are not returned.
+* ``/v1/completions`` takes the prompt as raw text (special-token strings such as ``<bos>`` become
+  their tokens) or token ids, and continues it. A prompt ending with ``<think>`` runs the thinking
+  phase (so ``reasoning_budget`` / ``think_model`` apply and the thinking comes back as the choice's
+  ``reasoning_content``); any other prompt is one plain phase, and those two fields are rejected.
 * Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``.
 
 Chat template (the demo model is a single-turn reasoning model): the content of the LAST user
