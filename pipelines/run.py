@@ -45,6 +45,39 @@ def summary_rows(outputs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def size_line(outputs: dict[str, dict[str, Any]]) -> str:
+    """Bytes on disk per format (every budget lives in each one file)."""
+    sizes = outputs.get("quantize", {}).get("sizes", [])
+    if not sizes:
+        return ""
+    parts = [f"{r['name']} {r['bytes'] / 1e6:.2f} MB" for r in sizes]
+    return "checkpoint size, all budgets in one file: " + ", ".join(parts)
+
+
+def check_uris(cfg: PipelineConfig) -> None:
+    """Fail before any stage starts when a configured URI cannot be reached."""
+    from components.storage import check_reachable, is_s3, materialize
+
+    problems = []
+    if cfg.storage_uri:
+        try:
+            check_reachable(cfg.storage_uri)
+        except ValueError as err:
+            problems.append(f"storage_uri: {err}")
+    if cfg.parent.uri and not is_s3(cfg.parent.uri):
+        try:
+            materialize(cfg.parent.uri)
+        except FileNotFoundError as err:
+            problems.append(f"parent.uri: {err}")
+    elif cfg.parent.uri:
+        try:
+            check_reachable(cfg.parent.uri)
+        except ValueError as err:
+            problems.append(f"parent.uri: {err}")
+    if problems:
+        raise ValueError("unreachable URIs:\n  " + "\n  ".join(problems))
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "(no budgets yet)"
@@ -79,6 +112,7 @@ def run_pipeline(
     runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
     plan = runner.plan(force_from)
     print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in plan))
+    check_uris(cfg)
     if dry_run:
         return 0
     try:
@@ -108,6 +142,8 @@ def run_pipeline(
     tracker.log_metrics({"pipeline_seconds": time.perf_counter() - start})
     tracker.finish()
     print("\n" + table)
+    if size_line(outputs):
+        print(size_line(outputs))
     print(f"\nfinished in {time.perf_counter() - start:.0f}s; outputs under {Path(cfg.run_dir).resolve()}")
     print(f"MLflow: run {tracker.run_id} in experiment '{cfg.experiment}' at {tracking_uri}  (make ui)")
     return 0
