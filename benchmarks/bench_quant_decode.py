@@ -33,6 +33,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, machine_info, set_threads  # noqa: E402
+from components.parent import DEMO_PARENT_ARCH  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
 from model.elastic import Architecture, ElasticSpace, count_params  # noqa: E402
 from model.elastic.budgets import BudgetSet  # noqa: E402
@@ -40,24 +41,7 @@ from model.elastic.export import export_nested, extract_budget  # noqa: E402
 from model.hybrid import HybridLM  # noqa: E402
 from model.quant import extract_quantized_budget, load_quantized_model, quantize_checkpoint  # noqa: E402
 
-DEMO = {
-    "vocab_size": 112,
-    "hidden_size": 64,
-    "pattern": "M*EMEM-E",
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "intermediate_size": 128,
-    "mamba_num_heads": 8,
-    "mamba_head_dim": 16,
-    "n_groups": 2,
-    "ssm_state_size": 16,
-    "chunk_size": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 64,
-}
+DEMO = {"vocab_size": 112, **DEMO_PARENT_ARCH}
 """The demo parent's architecture (components.parent.DEMO_PARENT_ARCH with the built-in vocabulary)."""
 
 LARGE = {
