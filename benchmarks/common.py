@@ -166,3 +166,23 @@ def save_json(path: str | Path, payload: dict[str, Any]) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(payload, indent=2, default=default) + "\n", encoding="utf-8")
+
+
+def replace_section(path: str | Path, heading: str, body: str) -> None:
+    """Write ``body`` (which starts with ``heading``) into the Markdown file at ``path``.
+
+    A section already under ``heading`` is replaced up to the next ``## `` heading; other sections are
+    kept in place. Without one, ``body`` is appended.
+    """
+    p = Path(path)
+    text = p.read_text() if p.exists() else ""
+    if heading in text:
+        head, _, rest = text.partition(heading)
+        nxt = rest.find("\n## ")
+        text = (head.rstrip() + "\n\n" if head.strip() else "") + body.rstrip() + "\n"
+        text += "\n" + rest[nxt + 1 :] if nxt >= 0 else ""
+    elif text.strip():
+        text = text.rstrip() + "\n\n" + body.rstrip() + "\n"
+    else:
+        text = body.rstrip() + "\n"
+    p.write_text(text)

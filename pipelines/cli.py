@@ -43,6 +43,34 @@ def _cmd_parent_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rank(args: argparse.Namespace) -> int:
+    """Rank and permute a parent: the pipeline's ``rank`` section (or a bare RankConfig mapping) + flags."""
+    from components.rank import RankConfig, run_rank
+    from components.tracking import make_tracker
+    from pipelines.config import set_by_path
+
+    raw = _load_yaml(args.config)
+    if "rank" in raw or "run_name" in raw:  # a pipeline YAML: take its rank section
+        raw = dict(raw.get("rank") or {})
+    if args.parent:
+        raw["parent_uri"] = args.parent
+    if args.out:
+        raw["output_dir"] = args.out
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. calibration.num_samples=64")
+        set_by_path(raw, key, value)
+    cfg = RankConfig(**raw)
+    tracker = make_tracker(args.tracking_uri, "star-elastic-rank", run_name="rank")
+    try:
+        out = run_rank(cfg, tracker)
+    finally:
+        tracker.finish()
+    print(json.dumps(out.model_dump(), indent=2, default=str))
+    return 0
+
+
 def _cmd_extract(args: argparse.Namespace) -> int:
     from model.elastic.export import extract_budget
 
@@ -92,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, help="override the torch CPU thread count")
     train.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or off)")
     train.set_defaults(func=_cmd_parent_train)
+
+    rank = sub.add_parser("rank", help="importance ranking (REAP for experts) and permutation of a parent")
+    rank.add_argument("--config", help="pipeline YAML (its 'rank' section) or a YAML of RankConfig fields")
+    rank.add_argument("--parent", help="parent checkpoint folder or s3:// URI (RankConfig.parent_uri)")
+    rank.add_argument("--out", help="output folder: permuted checkpoint, rankings.json, plot (RankConfig.output_dir)")
+    rank.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a RankConfig value (repeatable)")
+    rank.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or off)")
+    rank.set_defaults(func=_cmd_rank)
 
     run = sub.add_parser("run", help="run the whole pipeline (resumes at the first stage whose inputs changed)")
     run.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/demo.yaml")

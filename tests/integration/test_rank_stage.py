@@ -101,3 +101,25 @@ def test_rank_stage_end_to_end(ray_runtime, parent_dir, tmp_path):
     artifacts = {a.path for a in tracker.client.list_artifacts(tracker.run_id)}
     assert {"rankings.json", "importance.png"} <= artifacts
     assert run.info.status == "FINISHED"
+
+
+def test_rank_cli_takes_the_pipeline_rank_section_with_overrides(ray_runtime, parent_dir, tmp_path, capsys):
+    """``star-elastic rank`` validates the same RankConfig as the pipeline stage; bad fields are named."""
+    from pipelines.cli import main
+
+    pipeline_yaml = tmp_path / "pipeline.yaml"
+    pipeline_yaml.write_text(
+        "run_name: x\nrank:\n  calibration: {num_samples: 8, seq_len: 32, batch_size: 4, exclude_eval_per_level: 2}\n"
+        "  num_tasks: 1\n  axes: [hidden, experts]\n"
+    )
+    out_dir = tmp_path / "cli-rank"
+    argv = ["rank", "--config", str(pipeline_yaml), "--parent", str(parent_dir), "--out", str(out_dir)]
+    assert main([*argv, "--set", "expert_score=frequency", "--set", "progress=false"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    rankings = json.loads((out_dir / "rankings.json").read_text())
+    assert printed["rankings_uri"] == str(out_dir / "rankings.json")
+    assert rankings["num_sequences"] == 8
+    assert HybridLM.from_pretrained(out_dir / "permuted").num_parameters() > 0
+
+    assert main([*argv, "--set", "calibration.num_sampels=8"]) == 2
+    assert "num_sampels" in capsys.readouterr().err
