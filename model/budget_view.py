@@ -61,7 +61,7 @@ from model.elastic.space import ElasticSpace
 from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
 from model.mlp import relu2
-from model.moe import Experts
+from model.moe import Experts, RoutingObserver
 
 Mode = Literal["view", "masked"]
 
@@ -198,21 +198,31 @@ class StridedExperts(Experts):
     """:class:`~model.moe.Experts` over strided views ``up_proj[:E', :F', :H']`` / ``down_proj[:E', :H', :F']``.
 
     Used when the expert width shrinks: the parent's dense few-token path flattens ``up_proj`` to
-    (E*F, H) with ``view``, which a width-sliced view cannot do without a copy. This forward
-    computes the same sum with batched matmuls that take strided operands: every expert on every
-    token (weighted by zero where unselected) for a few tokens, one slice of routed tokens per
-    expert otherwise. x: (T, hidden); idx, weights: (T, k) -> (T, hidden).
+    (E*F, H) with ``view``, which a width-sliced view cannot do without a copy, and its grouped GEMM
+    wants packed operands. The path choice is the parent's (:meth:`Experts.forward`; its loop over
+    the selected experts already works on strided views); only the dense and grouped paths are
+    replaced, by batched matmuls and per-expert GEMMs that take strided operands.
+    x: (T, hidden); idx, weights: (T, k) -> (T, hidden).
     """
 
-    def forward(self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask=None, observer=None) -> Tensor:
+    def _dense(
+        self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
+    ) -> Tensor:
+        t = x.shape[0]
+        act = relu2(torch.matmul(x, self.up_proj.transpose(1, 2)))  # (E, T, F)
+        if ffn_mask is not None:
+            act = act * ffn_mask.to(act.dtype)
+        ys = torch.bmm(act, self.down_proj.transpose(1, 2))  # (E, T, hidden)
+        if observer is not None:
+            rows = torch.arange(t, device=x.device)[:, None]
+            observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
+        mix = weights.new_zeros(t, self.num_experts).scatter_(1, idx, weights).to(ys.dtype)  # (T, E)
+        return (ys * mix.t().unsqueeze(-1)).sum(0)
+
+    def _grouped(
+        self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
+    ) -> Tensor:
         t, k = idx.shape
-        if observer is None and t <= _DENSE_TOKENS:
-            act = relu2(torch.matmul(x, self.up_proj.transpose(1, 2)))  # (E, T, F)
-            if ffn_mask is not None:
-                act = act * ffn_mask.to(act.dtype)
-            ys = torch.bmm(act, self.down_proj.transpose(1, 2))  # (E, T, hidden)
-            mix = weights.new_zeros(t, self.num_experts).scatter_(1, idx, weights).to(ys.dtype)  # (T, E)
-            return (ys * mix.t().unsqueeze(-1)).sum(0)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -221,10 +231,7 @@ class StridedExperts(Experts):
         pieces, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                h = relu2(xs[start : start + n] @ self.up_proj[e].t())
-                if ffn_mask is not None:
-                    h = h * ffn_mask.to(h.dtype)
-                pieces.append(h @ self.down_proj[e].t())
+                pieces.append(self._expert(xs[start : start + n], e, ffn_mask))
                 start += n
         ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
         if observer is not None:
@@ -233,10 +240,6 @@ class StridedExperts(Experts):
             observer(idx, weights.detach(), norms.view(t, k))
         w = weights.reshape(-1)[order].to(ys.dtype)
         return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
-
-
-_DENSE_TOKENS = 64
-"""Tokens up to which :class:`StridedExperts` runs every expert on every token (decode steps, short prompts)."""
 
 
 def _view_moe(dst: nn.Module, src: nn.Module, la: LayerArch, h: int, config: HybridConfig) -> None:

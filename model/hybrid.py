@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from model.attention import Attention
 from model.cache import HybridCache, empty_cache
 from model.config import HybridConfig
+from model.fastops import rms_norm_rows
 from model.mamba import Mamba2Mixer
 from model.masks import LayerMask, ModelMask, active_fraction
 from model.mlp import MLP
@@ -88,6 +89,25 @@ class Block(nn.Module):
             h = h * lm.keep.to(h.dtype)
         return x + h.to(x.dtype)
 
+    def decode_step(self, x: Tensor, cache: HybridCache, index: int) -> Tensor:
+        """One cached decode token of a float32 model without masks: x (batch, hidden) -> same.
+
+        :meth:`forward`'s computation with its mask and dtype branches left out (they are no-ops then);
+        the mixers' ``decode_step`` methods take their own lean paths. A layer whose cache is not
+        filled yet (a first token without prefill) takes :meth:`forward`.
+        """
+        norm = self.norm
+        h = rms_norm_rows(x, norm.weight, norm.eps)
+        kind = self.kind
+        if kind == "moe" or kind == "mlp":
+            return self.mixer.decode_step(h, x)
+        layer_cache = cache.layers[index]
+        if layer_cache is None:
+            h, cache.layers[index] = self.mixer(h[:, None], None, True, None)
+            return x + h[:, 0]
+        h, cache.layers[index] = self.mixer.decode_step(h, layer_cache, x)
+        return h
+
 
 class Backbone(nn.Module):
     """Embeddings, blocks and the final norm (``model.`` in the nemotron_h state dict)."""
@@ -101,6 +121,10 @@ class Backbone(nn.Module):
 
 class HybridLM(nn.Module):
     """Causal LM. ``forward(input_ids)`` -> :class:`CausalLMOutput` with ``logits`` (batch, seq, vocab)."""
+
+    fast_decode: bool = True
+    """Take :meth:`_decode_step` for single-token cached steps without masks or autograd (False: always the
+    general path; the two compute the same function, the general one with many more operators)."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -172,6 +196,15 @@ class HybridLM(nn.Module):
         ``use_cache=True`` (or passing ``cache``) returns the updated :class:`HybridCache`;
         ``logits_to_keep=n`` computes logits for the last n positions only (0: all).
         """
+        if (
+            cache is not None
+            and mask is None
+            and input_ids.shape[1] == 1
+            and self.fast_decode
+            and not torch.is_grad_enabled()
+            and self.model.embeddings.weight.dtype == torch.float32
+        ):
+            return self._decode_step(input_ids, cache, return_hidden)
         if use_cache and cache is None:
             cache = empty_cache(len(self.model.layers))
         x = self.model.embeddings(input_ids)
@@ -191,6 +224,21 @@ class HybridLM(nn.Module):
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
         return CausalLMOutput(logits=logits, cache=cache, hidden=h if return_hidden else None)
+
+    def _decode_step(self, input_ids: Tensor, cache: HybridCache, return_hidden: bool) -> CausalLMOutput:
+        """One cached token of a float32 model without masks: input_ids (batch, 1) -> logits (batch, 1, vocab).
+
+        The general forward's function with far fewer operators (a batch-1 step is op-bound): the residual
+        stream stays (batch, hidden), and each block runs :meth:`Block.decode_step`.
+        """
+        x = self.model.embeddings(input_ids.view(-1))  # (batch, hidden)
+        for i, block in enumerate(self.model.layers):
+            x = block.decode_step(x, cache, i)
+        cache.seen_tokens += 1
+        norm = self.model.norm_f
+        h = rms_norm_rows(x, norm.weight, norm.eps)
+        logits = self.lm_head(h)[:, None]
+        return CausalLMOutput(logits=logits, cache=cache, hidden=h[:, None] if return_hidden else None)
 
     # ------------------------------------------------------------------ bookkeeping
     def num_parameters(self) -> int:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from model.cache import MambaCache
 from model.config import HybridConfig
+from model.fastops import linear, rms_norm_rows
 from model.norms import GatedGroupRMSNorm
 from model.ssd import ssd_scan, ssd_step, ssd_step_inplace
 
@@ -64,6 +65,8 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedGroupRMSNorm(self.d_inner, self.d_inner // self.n_groups, eps=c.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.d_inner, c.hidden_size, bias=c.use_bias)
+        self._derived_cache: tuple = ()  # weight-derived tensors of a decode step, see _derived
+        self._derived_key: tuple | None = None
 
     def reset_parameters(self, config: HybridConfig, generator: torch.Generator | None = None) -> None:
         """nemotron_h initialisation of dt_bias (inverse softplus of log-uniform dt)."""
@@ -168,6 +171,79 @@ class Mamba2Mixer(nn.Module):
             y, ssm = ssd_step(ssm, x, dt, A, B, C, D=self.D.float())
         out = self._output(y.unsqueeze(1).to(z.dtype), z, head_mask)
         return out, MambaCache(window[:, 1:].transpose(1, 2), ssm, owned=True)
+
+    def _derived(self) -> tuple[Tensor, Tensor]:
+        """Tensors a decode step derives from the weights, rebuilt only when a weight changes.
+
+        Returns ``taps`` (K, conv_dim), the conv weight time-major and contiguous, and ``A`` (H,) =
+        -exp(A_log). The key holds each source's storage pointer and version counter, so an in-place update
+        (optimiser step, ``load_state_dict``) or a replaced tensor invalidates them.
+        """
+        w, a_log = self.conv1d.weight, self.A_log
+        try:
+            key = (w.data_ptr(), w._version, a_log.data_ptr(), a_log._version)
+        except RuntimeError:  # inference-mode tensors have no version counter: derive them every time
+            key = None
+        if key is None or key != self._derived_key:
+            self._derived_cache = (w.detach()[:, 0].t().contiguous(), -torch.exp(a_log.detach().float()))
+            self._derived_key = key
+        return self._derived_cache
+
+    def decode_step(self, hidden: Tensor, cache: MambaCache, residual: Tensor) -> tuple[Tensor, MambaCache]:
+        """One cached decode token without masks, as few operators as possible.
+
+        hidden, residual: (b, hidden_size) -> (residual + out (b, hidden_size), updated cache): what
+        :meth:`forward` computes for a (b, 1, hidden_size) input, up to float rounding, added onto the
+        residual stream by ``out_proj``'s GEMM. States the model did not create itself, or that are not
+        contiguous float32, take :meth:`_step`.
+        """
+        b = hidden.shape[0]
+        proj = linear(self.in_proj, hidden)  # (b, d_inner + conv_dim + H)
+        z, xbc, dt = proj.split_with_sizes([self.d_inner, self.conv_dim, self.num_heads], -1)
+        ssm = cache.ssm
+        if not (cache.owned and proj.dtype == ssm.dtype == torch.float32 and ssm.is_contiguous()):
+            out, new = self._step(z[:, None], xbc[:, None], dt[:, None], cache, None)
+            return residual + out[:, 0], new
+        taps, A = self._derived()
+        conv1d = self.conv1d
+        if b == 1:
+            # Channel-major window (1, conv_dim, K): the K-tap dot product of every channel, plus its bias,
+            # is one batched matmul (conv_dim batches of (1, K) @ (K, 1)) on a view of the conv weight.
+            c = self.conv_dim
+            window = torch.cat([cache.conv, xbc.unsqueeze(-1)], dim=-1)
+            w = conv1d.weight.view(c, -1, 1)
+            if conv1d.bias is None:
+                conv = torch.bmm(window.view(c, 1, -1), w).view(1, c)
+            else:
+                conv = torch.baddbmm(conv1d.bias.view(c, 1, 1), window.view(c, 1, -1), w).view(1, c)
+            conv_state = window[:, :, 1:]
+        else:
+            # Time-major window (b, K, conv_dim): the K-term sum runs across rows, which vectorises over
+            # channels (~3x faster at batch 16 than summing K contiguous values per channel).
+            window = torch.cat([cache.conv.transpose(1, 2), xbc.unsqueeze(1)], dim=1)
+            conv = (window * taps).sum(1)
+            if conv1d.bias is not None:
+                conv = conv + conv1d.bias
+            conv_state = window[:, 1:].transpose(1, 2)
+        gn, h, p, g, n = self.n_groups * self.state_size, self.num_heads, self.head_dim, self.n_groups, self.state_size
+        x, B, C = F.silu(conv).split_with_sizes([self.d_inner, gn, gn], -1)
+        dt = F.softplus(dt + self.dt_bias).clamp_(self.dt_min, self.dt_max)  # (b, H)
+        x = x.view(b, h, p)
+        # SSM update in place (ssd_step_inplace's arithmetic): decay, then += dt * x (outer) B per group,
+        # the heads of a group stacked as the rows of one batched matmul; y = state @ C + D * x.
+        ssm.mul_(torch.exp(dt * A).view(b, h, 1, 1))
+        rows = ssm.view(b * g, (h // g) * p, n)
+        rows.baddbmm_((x * dt.view(b, h, 1)).view(b * g, -1, 1), B.reshape(b * g, 1, n))
+        y = torch.baddbmm((x * self.D.view(h, 1)).view(b * g, -1, 1), rows, C.reshape(b * g, n, 1))
+        # gated group norm (GatedGroupRMSNorm without the mask and dtype branches)
+        gated = y.view(b, self.d_inner) * F.silu(z)
+        norm = self.norm
+        if g == 1:
+            gated = rms_norm_rows(gated, norm.weight, norm.eps)
+        else:
+            size = norm.group_size
+            gated = norm.weight * F.rms_norm(gated.view(b, -1, size), (size,), None, norm.eps).view(b, self.d_inner)
+        return linear(self.out_proj, gated, residual), MambaCache(conv_state, ssm, owned=True)
 
     def _output(self, y: Tensor, z: Tensor, head_mask: Tensor | None) -> Tensor:
         """y: (b, l, H, P) -> gated group norm -> out_proj: (b, l, hidden)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.fastops import linear
+
 
 def relu2(x: Tensor) -> Tensor:
     """Squared ReLU."""
@@ -25,3 +27,11 @@ class MLP(nn.Module):
         if ffn_mask is not None:
             h = h * ffn_mask.to(h.dtype)
         return self.down_proj(h)
+
+    def decode_step(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """``forward(x)`` (+ ``residual``) without a mask, autograd off: x (rows, hidden) -> (rows, hidden).
+
+        The activation is squared in place (it is a fresh tensor) and the residual is added by the down
+        projection's GEMM.
+        """
+        return linear(self.down_proj, F.relu(linear(self.up_proj, x)).square_(), residual)

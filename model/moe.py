@@ -6,10 +6,17 @@ Routing, per token:
    ``topk_group`` of ``n_group`` expert groups); the bias never enters the weights.
 3. The selected scores are renormalised to sum to 1 (``norm_topk_prob``) and multiplied
    by ``routed_scaling_factor``.
-Experts run on the tokens routed to them: assignments are sorted by expert and each
-expert processes one contiguous slice (a loop over experts, never over tokens). For a
-handful of tokens every expert runs on every token instead, weighted by zero where
-unselected (same result, far fewer ops).
+Experts run on the tokens routed to them, by one of three equivalent paths chosen by
+how many (token, expert) assignments there are:
+
+* fewer assignments than experts (``T * k < E``, e.g. a batch-1 decode step): a loop over
+  the selected experts only, each a pair of GEMVs on views of the stacked weights (no
+  sort, no scatter, and only the selected experts' bytes are read);
+* enough assignments that every expert is likely busy, and little arithmetic wasted: every
+  expert on every token, weighted by zero where unselected (far fewer ops);
+* otherwise assignments are sorted by expert and each expert processes one contiguous
+  slice (a loop over experts, never over tokens).
+
 A shared expert sees every token.
 """
 
@@ -30,8 +37,22 @@ RoutingObserver = Callable[[Tensor, Tensor, Tensor], None]
 # Few tokens (decoding, short prompts): running every expert on every token is cheaper than grouping
 # tokens by expert, as long as the multiply-adds spent on unselected experts stay below this (~0.2 ms of
 # one CPU core). At hidden 128 with 8 experts of width 64, top-2, that is up to ~80 tokens; measured there
-# at 1 token 105 us dense vs 232 us grouped, at 16 tokens 190 vs 550 us, equal near 128 tokens.
+# at 16 tokens 190 us dense vs 550 us grouped, equal near 128 tokens. The dense path is only taken when
+# there are at least as many assignments as experts (T * k >= E): below that it reads E / (T * k) times
+# the expert bytes the tokens need, which at batch 1 on a large model costs more than the ops it saves.
 _DENSE_MAX_WASTED_MACS = 1 << 22
+
+
+def use_sparse_path(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether ``tokens`` tokens with ``top_k`` experts each take the per-selected-expert loop."""
+    return tokens * top_k < num_experts
+
+
+def use_dense_path(tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int) -> bool:
+    """Whether every expert should run on every token: enough assignments to touch every expert, and
+    at most :data:`_DENSE_MAX_WASTED_MACS` multiply-adds spent on unselected experts."""
+    return tokens * top_k >= num_experts and tokens * (num_experts - top_k) * ffn * hidden <= _DENSE_MAX_WASTED_MACS
+
 
 # F.grouped_mm has a CPU kernel from torch 2.9 (public name from 2.10); up to 2.10 it required 16-byte
 # aligned inputs, which memory-mapped checkpoints do not guarantee.
@@ -58,8 +79,13 @@ class TopKRouter(nn.Module):
         ``expert_mask`` (E,): experts with mask 0 are never selected (their selection
         score gets log(0) = -inf); a soft mask also scales the chosen weights.
         """
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())
-        choice = scores + self.e_score_correction_bias.float()
+        w, bias = self.weight, self.e_score_correction_bias
+        if x.dtype == w.dtype == bias.dtype == torch.float32:  # no dtype round trips (a decode step is op-bound)
+            scores = torch.sigmoid(F.linear(x, w))
+            choice = scores + bias
+        else:
+            scores = torch.sigmoid(x.float() @ w.float().t())
+            choice = scores + bias.float()
         if expert_mask is not None:
             choice = choice + torch.log(expert_mask.float().clamp_min(0.0))
         if self.n_group > 1:
@@ -99,9 +125,56 @@ class Experts(nn.Module):
         """x: (T, hidden); idx, weights: (T, k) -> (T, hidden) = sum_j w_j * expert_j(x)."""
         t, k = idx.shape
         e, f, h = self.up_proj.shape
-        if t * (e - k) * f * h <= _DENSE_MAX_WASTED_MACS:
+        if use_sparse_path(t, k, e):
+            return self._sparse(x, idx, weights, ffn_mask, observer)
+        if use_dense_path(t, k, e, f, h):
             return self._dense(x, idx, weights, ffn_mask, observer)
         return self._grouped(x, idx, weights, ffn_mask, observer)
+
+    def _expert(self, x: Tensor, e: int, ffn_mask: Tensor | None) -> Tensor:
+        """Expert ``e`` on x: (n, hidden) -> (n, hidden). ``up_proj[e]`` / ``down_proj[e]`` are views (no copy,
+        also for strided budget views of a wider parent)."""
+        act = relu2(F.linear(x, self.up_proj[e]))
+        if ffn_mask is not None:
+            act = act * ffn_mask.to(act.dtype)
+        return F.linear(act, self.down_proj[e])
+
+    def _sparse(
+        self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
+    ) -> Tensor:
+        """Fewer assignments than experts: run only the selected experts (a loop over them).
+
+        The routing is read on the host (``tolist``): a handful of numbers, and the loop needs them as
+        Python ints to take views of the selected experts' weights. The weights become Python floats,
+        which multiply float32 tensors exactly (a float32 value round-trips through a double).
+        """
+        t, k = idx.shape
+        ids = idx.tolist()
+        norms = torch.empty(t, k, device=x.device, dtype=torch.float32) if observer is not None else None
+        if t == 1 and not weights.requires_grad:  # a batch-1 decode step: no indexing, direct accumulation
+            ws = weights[0].tolist()
+            out = None
+            for j, e in enumerate(ids[0]):
+                y = self._expert(x, e, ffn_mask)
+                if norms is not None:
+                    norms[0, j] = y.detach().float().norm()
+                out = y * ws[j] if out is None else out.add_(y, alpha=ws[j])
+        else:
+            per_expert: dict[int, list[tuple[int, int]]] = {}
+            for ti, row in enumerate(ids):
+                for j, e in enumerate(row):
+                    per_expert.setdefault(e, []).append((ti, j))
+            out = x.new_zeros(t, x.shape[-1])
+            for e, pairs in per_expert.items():
+                tokens = torch.tensor([ti for ti, _ in pairs], device=x.device)
+                slots = torch.tensor([j for _, j in pairs], device=x.device)
+                y = self._expert(x[tokens], e, ffn_mask)
+                if norms is not None:
+                    norms[tokens, slots] = y.detach().float().norm(dim=-1)
+                out = out.index_add(0, tokens, y * weights[tokens, slots].to(y.dtype)[:, None])
+        if observer is not None:
+            observer(idx, weights.detach(), norms)
+        return out
 
     def _grouped(
         self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
@@ -174,6 +247,42 @@ class MoE(nn.Module):
             else None
         )
         self.observer: RoutingObserver | None = None
+
+    def decode_step(self, x: Tensor, residual: Tensor) -> Tensor:
+        """``residual + forward(x)`` for a decode step without masks, autograd off: x (rows, hidden) -> same.
+
+        With fewer assignments than experts (a batch-1 step) the routing is finished on the host: the
+        selected experts' scores are renormalised in Python floats (double precision, then rounded once to
+        float32 where they scale an expert's output), and each selected expert's output is added, scaled,
+        onto the shared expert's output, itself added onto the residual by its GEMM. Otherwise, or with
+        grouped routing, an observer or non-float32 weights, this is :meth:`forward` plus the residual.
+        """
+        gate, experts = self.gate, self.experts
+        k = gate.top_k
+        if (
+            x.shape[0] != 1
+            or k >= gate.num_experts
+            or gate.n_group > 1
+            or self.observer is not None
+            or type(experts) is not Experts
+            or x.dtype != torch.float32
+        ):
+            return residual + self.forward(x)
+        scores = torch.sigmoid(F.linear(x, gate.weight))  # (1, E), float32
+        idx = torch.topk(scores + gate.e_score_correction_bias, k).indices
+        ids = idx.view(-1).tolist()
+        w = scores.view(-1).tolist()
+        w = [w[e] for e in ids]
+        if gate.norm_topk_prob:
+            total = sum(w) + 1e-20
+            w = [v / total for v in w]
+        w = [v * gate.scaling for v in w]
+        out = residual if self.shared_experts is None else self.shared_experts.decode_step(x, residual)
+        up, down = experts.up_proj, experts.down_proj
+        for e, we in zip(ids, w, strict=True):
+            y = F.linear(F.relu(F.linear(x, up[e])).square_(), down[e])
+            out = out.add_(y, alpha=we) if out is not residual else torch.add(out, y, alpha=we)
+        return out
 
     def forward(
         self,

@@ -1,0 +1,263 @@
+"""The lean single-token decode path against the general forward (``HybridLM.fast_decode = False``).
+
+Every comparison runs both paths on copies of the same cache and asserts max |difference| <= 1e-5
+(float32) on the logits of every step and on the caches they leave behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model.attention as attention_module
+from model.budget_view import StridedExperts, budget_model
+from model.cache import HybridCache, KVCache, MambaCache, clone_cache, empty_cache
+from model.config import HybridConfig
+from model.elastic import Architecture
+from model.fastops import linear, rms_norm_rows
+from model.hybrid import HybridLM
+from model.masks import ModelMask, prefix_mask
+from model.moe import Experts, use_dense_path, use_sparse_path
+from tests.conftest import TINY
+
+ATOL = 1e-5
+
+VARIANTS = {
+    "tiny": {},
+    "one_group_biases": dict(n_groups=1, use_bias=True, mlp_bias=True, routed_scaling_factor=2.5),
+    "no_conv_bias_mha": dict(use_conv_bias=False, num_key_value_heads=4, norm_topk_prob=False),
+    "group_routing": dict(n_routed_experts=8, n_group=2, topk_group=1, residual_in_fp32=True),
+    "top1_of_8": dict(n_routed_experts=8, num_experts_per_tok=1, pattern="ME*E"),
+}
+
+
+def _model(overrides: dict, seed: int = 0) -> HybridLM:
+    m = HybridLM(HybridConfig(**{**TINY, **overrides})).init_weights(seed)
+    with torch.no_grad():  # make the selection bias, the biases and the D skip matter
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in m.named_parameters():
+            if name.endswith(".bias") or name.endswith(".D"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        for block in m.model.layers:
+            if block.kind == "moe":
+                bias = block.mixer.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+def _max_diff_caches(a: HybridCache, b: HybridCache) -> float:
+    worst = 0.0
+    for x, y in zip(a.layers, b.layers, strict=True):
+        if isinstance(x, KVCache):
+            assert x.length == y.length
+            worst = max(worst, (x.k[:, :, : x.length] - y.k[:, :, : y.length]).abs().max().item())
+            worst = max(worst, (x.v[:, :, : x.length] - y.v[:, :, : y.length]).abs().max().item())
+        elif isinstance(x, MambaCache):
+            worst = max(worst, (x.conv - y.conv).abs().max().item(), (x.ssm - y.ssm).abs().max().item())
+    assert a.seen_tokens == b.seen_tokens
+    return worst
+
+
+@torch.no_grad()
+def _compare(m: HybridLM, ids: torch.Tensor, prefill: int, mask: ModelMask | None = None) -> None:
+    """Decode ids[:, prefill:] token by token on both paths from one prefill; logits and caches must agree."""
+    out = m(ids[:, :prefill], use_cache=True, mask=mask)
+    caches = {True: out.cache, False: clone_cache(out.cache)}
+    for t in range(prefill, ids.shape[1]):
+        logits = {}
+        for fast in (True, False):
+            m.fast_decode = fast
+            res = m(ids[:, t : t + 1], cache=caches[fast], mask=mask)
+            logits[fast], caches[fast] = res.logits, res.cache
+        m.fast_decode = True
+        assert logits[True].shape == logits[False].shape == (ids.shape[0], 1, m.config.vocab_size)
+        assert (logits[True] - logits[False]).abs().max().item() <= ATOL
+        assert _max_diff_caches(caches[True], caches[False]) <= ATOL
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fast_decode_equals_general_path(variant, batch):
+    m = _model(VARIANTS[variant])
+    ids = torch.randint(0, 64, (batch, 14), generator=torch.Generator().manual_seed(batch))
+    _compare(m, ids, prefill=5)
+
+
+@torch.no_grad()
+def test_fast_decode_equals_full_forward():
+    m = _model({})
+    ids = torch.randint(0, 64, (2, 16))
+    full = m(ids).logits
+    out = m(ids[:, :4], use_cache=True)
+    pieces, cache = [out.logits], out.cache
+    for t in range(4, ids.shape[1]):
+        out = m(ids[:, t : t + 1], cache=cache)
+        pieces.append(out.logits)
+    assert (torch.cat(pieces, 1) - full).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_fast_decode_past_kv_capacity_and_from_an_empty_cache():
+    """Steps that outgrow the preallocated KV buffer, and a first token decoded into an empty cache."""
+    m = _model({})
+    ids = torch.randint(0, 64, (1, 80))
+    full = m(ids).logits
+    cache = empty_cache(len(m.model.layers))
+    pieces = [m(ids[:, t : t + 1], cache=cache).logits for t in range(ids.shape[1])]
+    assert (torch.cat(pieces, 1) - full).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_fast_decode_leaves_foreign_states_intact():
+    """A Mamba state the model did not create is never written (the step falls back to ssd_step)."""
+    m = _model({})
+    ids = torch.randint(0, 64, (1, 10))
+    full = m(ids).logits
+    own = m(ids[:, :6], use_cache=True).cache
+    foreign = HybridCache(
+        [MambaCache(c.conv.clone(), c.ssm.clone()) if isinstance(c, MambaCache) else c for c in clone_cache(own).layers]
+    )
+    foreign.seen_tokens = own.seen_tokens
+    kept = [c.ssm.clone() for c in foreign.layers if isinstance(c, MambaCache)]
+    originals = [c for c in foreign.layers if isinstance(c, MambaCache)]
+    pieces = [m(ids[:, t : t + 1], cache=foreign).logits for t in range(6, 10)]
+    assert (torch.cat(pieces, 1) - full[:, 6:]).abs().max().item() <= ATOL
+    assert all(torch.equal(c.ssm, k) for c, k in zip(originals, kept, strict=True))
+
+
+def test_masks_and_autograd_take_the_general_path():
+    """With a mask or with autograd on, a step is the general forward (the fast path has no masks)."""
+    m = _model({})
+    ids = torch.randint(0, 64, (2, 9))
+    mask = ModelMask(hidden=prefix_mask(m.config.hidden_size, 24))
+    _compare(m, ids, prefill=4, mask=mask)
+    out = m(ids[:, :4], use_cache=True)
+    step = m(ids[:, 4:5], cache=out.cache)
+    assert step.logits.requires_grad  # autograd on: the general path, differentiable
+
+
+@torch.no_grad()
+def test_fast_decode_follows_weight_updates():
+    """Weight-derived tensors cached by the Mamba step are rebuilt after an in-place update."""
+    m = _model({})
+    ids = torch.randint(0, 64, (1, 8))
+    m(ids[:, :4], use_cache=True)
+    m(ids[:, 4:5], cache=m(ids[:, :4], use_cache=True).cache)  # fills the derived-tensor caches
+    for block in m.model.layers:
+        if block.kind == "mamba":
+            block.mixer.A_log.add_(0.5)
+            block.mixer.conv1d.weight.mul_(1.5)
+    _compare(m, ids, prefill=4)
+
+
+def test_large_attention_path(monkeypatch):
+    """The bmm + softmax attention used past the small-size threshold computes the same step."""
+    monkeypatch.setattr(attention_module, "_SMALL_ATTENTION", 0)
+    m = _model({})
+    _compare(m, torch.randint(0, 64, (2, 9)), prefill=4)
+
+
+def test_rms_norm_rows_and_linear_helpers():
+    x, w = torch.randn(1, 40), torch.randn(40)
+    ref = w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert (rms_norm_rows(x, w, 1e-5) - ref).abs().max().item() <= ATOL
+    assert (rms_norm_rows(x, None, 1e-5) - ref / w).abs().max().item() <= 1e-4
+    xs = torch.randn(3, 40)
+    ref = w * xs / torch.sqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert (rms_norm_rows(xs, w, 1e-5) - ref).abs().max().item() <= ATOL
+    lin = torch.nn.Linear(40, 7, bias=False)
+    res = torch.randn(3, 7)
+    with torch.no_grad():
+        assert (linear(lin, xs, res) - (lin(xs) + res)).abs().max().item() <= ATOL
+        lin_b = torch.nn.Linear(40, 7)
+        assert (linear(lin_b, xs, res) - (lin_b(xs) + res)).abs().max().item() <= ATOL
+        seen = []
+        handle = lin.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+        linear(lin, xs)
+        handle.remove()
+        assert seen == [(3, 7)]  # a hooked module is called, not bypassed
+
+
+# ---------------------------------------------------------------------- MoE paths
+def _experts(e: int = 8, f: int = 12, h: int = 16, seed: int = 0) -> Experts:
+    cfg = HybridConfig(**{**TINY, "n_routed_experts": e, "moe_intermediate_size": f, "hidden_size": h})
+    ex = Experts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        ex.up_proj.copy_(torch.randn(ex.up_proj.shape, generator=g) * 0.3)  # outputs of order 1
+        ex.down_proj.copy_(torch.randn(ex.down_proj.shape, generator=g) * 0.3)
+    return ex
+
+
+def _routing(t: int, k: int, e: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return idx, torch.rand(t, k, generator=g)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_sparse_expert_path_equals_dense_and_grouped(t):
+    ex = _experts()
+    k, e = 2, 8
+    assert use_sparse_path(t, k, e)
+    x = torch.randn(t, 16)
+    idx, w = _routing(t, k, e, seed=t)
+    ffn = torch.rand(12)
+    for mask in (None, ffn):
+        norms: list[torch.Tensor] = []
+        observe = lambda i, ww, n, norms=norms: norms.append(n)  # noqa: E731
+        sparse = ex._sparse(x, idx, w, mask, observe)
+        dense = ex._dense(x, idx, w, mask, observe)
+        grouped = ex._grouped(x, idx, w, mask, None)
+        assert (sparse - dense).abs().max().item() <= ATOL
+        assert (sparse - grouped).abs().max().item() <= ATOL
+        assert (norms[0] - norms[1]).abs().max().item() <= 1e-4
+    # with autograd on, gradients reach the routing weights and the expert weights
+    w.requires_grad_(True)
+    ex._sparse(x, idx, w, None, None).sum().backward()
+    assert w.grad is not None and ex.up_proj.grad is not None
+
+
+def test_dense_path_only_when_every_expert_is_busy():
+    assert use_sparse_path(1, 2, 8) and not use_dense_path(1, 2, 8, 64, 128)
+    assert use_dense_path(4, 2, 8, 64, 128)  # 8 assignments on 8 experts, little waste
+    assert not use_dense_path(16, 2, 8, 1024, 1024)  # too much arithmetic wasted: grouped
+    assert not use_sparse_path(16, 2, 8)
+
+
+@pytest.mark.parametrize("t", [1, 3, 6, 40])
+def test_strided_expert_views_equal_a_contiguous_copy(t):
+    """Width-sliced expert views (StridedExperts) on every path, against the same experts copied."""
+    full = _experts(e=8, f=12, h=16)
+    e, f, h, k = 6, 8, 12, 2
+    view = StridedExperts.__new__(StridedExperts)
+    torch.nn.Module.__init__(view)
+    view.num_experts = e
+    view.up_proj = torch.nn.Parameter(full.up_proj.detach()[:e, :f, :h], requires_grad=False)
+    view.down_proj = torch.nn.Parameter(full.down_proj.detach()[:e, :h, :f], requires_grad=False)
+    assert not view.up_proj.is_contiguous()
+    copy = _experts(e=e, f=f, h=h)
+    with torch.no_grad():
+        copy.up_proj.copy_(view.up_proj)
+        copy.down_proj.copy_(view.down_proj)
+    x = torch.randn(t, h)
+    idx, w = _routing(t, k, e, seed=t)
+    with torch.no_grad():
+        assert (view(x, idx, w) - copy(x, idx, w)).abs().max().item() <= ATOL
+        assert (view._dense(x, idx, w, None, None) - copy._grouped(x, idx, w, None, None)).abs().max() <= ATOL
+        assert (view._grouped(x, idx, w, None, None) - copy._dense(x, idx, w, None, None)).abs().max() <= ATOL
+
+
+@torch.no_grad()
+def test_budget_views_decode_like_the_masked_parent():
+    """Budget view models (split projections, strided experts) on the fast path against the masked parent."""
+    cfg = HybridConfig(**{**TINY, "n_routed_experts": 8})
+    parent = HybridLM(cfg).init_weights(0).eval()
+    arch = Architecture(hidden=24, mamba_heads=2, moe_ffn=8, shared_ffn=16, mlp_ffn=32, experts=6)
+    view = budget_model(parent, arch)
+    masked = budget_model(parent, arch, prefer="masked")
+    ids = torch.randint(0, 64, (1, 12))
+    a, b = view(ids[:, :5], use_cache=True), masked(ids[:, :5], use_cache=True)
+    for t in range(5, 12):
+        a, b = view(ids[:, t : t + 1], cache=a.cache), masked(ids[:, t : t + 1], cache=b.cache)
+        assert (a.logits - b.logits).abs().max().item() <= ATOL
