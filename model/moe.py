@@ -222,11 +222,15 @@ class Experts(nn.Module):
         sort + bincount + gather + a loop over experts + scatter.
         """
         t, k = idx.shape
-        e, f, h = self.up_proj.shape
-        act = relu2(x @ self.up_proj.reshape(e * f, h).t()).view(t, e, f)
+        up = self.up_proj
+        e, f, h = up.shape
+        if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
+            act = relu2(x @ up.view(e * f, h).t()).view(t, e, f).transpose(0, 1)
+        else:  # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
+            act = relu2(torch.matmul(x, up.transpose(1, 2)))  # (E, T, F)
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
-        ys = torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2))  # (E, T, hidden)
+        ys = torch.bmm(act, self.down_proj.transpose(1, 2))  # (E, T, hidden)
         if observer is not None:
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
@@ -264,7 +268,7 @@ class MoE(nn.Module):
             or k >= gate.num_experts
             or gate.n_group > 1
             or self.observer is not None
-            or type(experts) is not Experts
+            or not isinstance(experts, Experts)  # e.g. quantized experts: their own forward
             or x.dtype != torch.float32
         ):
             return residual + self.forward(x)

@@ -261,3 +261,28 @@ def test_budget_views_decode_like_the_masked_parent():
     for t in range(5, 12):
         a, b = view(ids[:, t : t + 1], cache=a.cache), masked(ids[:, t : t + 1], cache=b.cache)
         assert (a.logits - b.logits).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@torch.no_grad()
+def test_views_store_the_parent_inputs_major_without_changing_it(monkeypatch, grouped):
+    """Building a view re-lays the parent's projections out as (in, out) in memory: same parameters, same
+    values, same outputs (dense and grouped expert paths), and a budget's lm_head is a contiguous block."""
+    import model.moe as moe_module
+
+    if grouped:
+        monkeypatch.setattr(moe_module, "_DENSE_MAX_WASTED_MACS", 0)
+    parent = _model({"n_routed_experts": 8})
+    ids = torch.randint(0, 64, (2, 30))
+    before = parent(ids).logits
+    params = dict(parent.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    view = budget_model(parent, Architecture(hidden=24, moe_ffn=8, experts=6))
+    assert dict(parent.named_parameters()) == params  # the same parameter objects
+    assert all(torch.equal(p, values[n]) for n, p in parent.named_parameters())
+    assert parent.lm_head.weight.t().is_contiguous()
+    moe = next(b.mixer for b in parent.model.layers if b.kind == "moe")
+    assert moe.experts.up_proj.transpose(1, 2).is_contiguous()
+    assert view.lm_head.weight.t().is_contiguous()  # the row prefix of the transposed matrix
+    assert view.lm_head.weight.data_ptr() == parent.lm_head.weight.data_ptr()
+    assert (parent(ids).logits - before).abs().max().item() <= ATOL
