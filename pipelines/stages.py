@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -139,6 +139,11 @@ class ExportStageConfig(BaseModel):
     output_dir: str = Field(description="Where the one nested checkpoint is written.")
     allow_off_target: bool = Field(False, description="Export even if a budget misses its target (recorded).")
     tolerance: float = Field(0.05, gt=0, lt=1, description="Relative tolerance on each budget's active params.")
+    select: Literal["argmax", "feasible"] = Field(
+        "argmax",
+        description="Architecture per budget: the router's argmax (the method), or 'feasible': the on-target "
+        "architecture nearest the argmax (for a router that saturated off target).",
+    )
 
 
 def build_export(ctx: StageContext) -> BaseModel:
@@ -154,7 +159,7 @@ def run_export_stage(cfg: ExportStageConfig, tracker: Tracker, ctx: StageContext
     from components.storage import publish
     from model.elastic.export import read_elastic
 
-    out = run_export(cfg.distill_dir, cfg.output_dir, cfg.allow_off_target, cfg.tolerance, tracker)
+    out = run_export(cfg.distill_dir, cfg.output_dir, cfg.allow_off_target, cfg.tolerance, tracker, cfg.select)
     info = read_elastic(out)
     budgets = [b.to_dict() for b in info.budgets]
     for b in budgets:

@@ -78,6 +78,12 @@ class DistillConfig(BaseModel):
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="Router MLP and sampling schedules.")
     alpha: float = Field(1.0, ge=0, description="Weight of the budget loss against the KD loss.")
+    dead_zone: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Relative deviation from a budget's target under which the budget loss is 0 (the method: 0.05).",
+    )
 
     # ------------------------------------------------------------------ data and schedule
     data: ProblemConfig = Field(default_factory=ProblemConfig, description="Built-in reasoning problems (the data).")

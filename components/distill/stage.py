@@ -189,8 +189,10 @@ def run_export(
     allow_off_target: bool = False,
     tolerance: float = 0.05,
     tracker: Tracker | None = None,
+    select: str = "argmax",
 ) -> Path:
-    """Write the ONE nested checkpoint from a distillation output folder (router argmax per budget).
+    """Write the ONE nested checkpoint from a distillation output folder (router argmax per budget,
+    or with ``select="feasible"`` the on-target architecture nearest the argmax).
 
     Raises ``ValueError`` (from :func:`~model.elastic.export.export_nested`) naming every budget
     whose argmax architecture misses its target by more than ``tolerance``, unless
@@ -218,6 +220,7 @@ def run_export(
         extra_files=tokenizer_files(src),
         allow_off_target=allow_off_target,
         tolerance=tolerance,
+        select=select,
     )
     (tracker or NullTracker()).log_dict(json.loads((out / "config.json").read_text())["elastic"], "elastic.json")
     return out

@@ -110,6 +110,7 @@ def elastic_loss(
     full_active: int,
     space: ElasticSpace,
     depth_order: list[int] | None = None,
+    dead_zone: float = 0.05,
 ) -> tuple[Tensor, Tensor, BudgetLossOut, RouterSample]:
     """(total loss, KD loss, budget loss, router sample) of one elastic step; ``model`` is an
     :class:`ElasticStudent` or a DeepSpeed engine around one."""
@@ -121,7 +122,7 @@ def elastic_loss(
     kd = kd_loss(student_logits, teacher_logits, loss_mask)
     bl = budget_loss(
         teacher.config, space, sample.probs, budget.fraction, budget_index == 0,
-        depth_order=depth_order, full_active=full_active,
+        dead_zone=dead_zone, depth_order=depth_order, full_active=full_active,
     )  # fmt: skip
     return kd + alpha * bl.loss.to(kd.dtype), kd, bl, sample
 
@@ -291,6 +292,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
         loss, kd, bl, sample = elastic_loss(
             engine, teacher, batch.input_ids, batch.loss_mask, budgets, b_idx, step, cfg.steps,
             router_generator(cfg.seed, cfg.phase, step), cfg.alpha, full_active, cfg.space, cfg.depth_order,
+            cfg.dead_zone,
         )  # fmt: skip
         engine.backward(loss)
         engine.step()

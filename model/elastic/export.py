@@ -36,6 +36,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,8 @@ class BudgetInfo:
     active_fraction: float
     standalone: bool = True
     warning: str | None = None
+    selection: str | None = None
+    """How the architecture was chosen when it is not the router's argmax (e.g. the argmax was off target)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -92,6 +95,8 @@ class BudgetInfo:
         }
         if self.warning is not None:
             out["warning"] = self.warning
+        if self.selection is not None:
+            out["selection"] = self.selection
         return out
 
 
@@ -129,9 +134,14 @@ class ElasticInfo:
 
 # ---------------------------------------------------------------------- export
 def _architectures(
-    router_or_archs: BudgetRouter | Mapping[str, Architecture | dict[str, Any]], budgets: BudgetSet
+    router_or_archs: BudgetRouter | Mapping[str, Architecture | dict[str, Any]],
+    budgets: BudgetSet,
+    select: str = "argmax",
+    tolerance: float = 0.05,
+    depth_order: Sequence[int] | None = None,
 ) -> dict[str, Architecture]:
-    """Budget name -> architecture, from a trained router (argmax) or given explicitly."""
+    """Budget name -> architecture, from a trained router (``select``: see
+    :meth:`BudgetRouter.architectures`) or given explicitly."""
     if isinstance(router_or_archs, BudgetRouter):
         router = router_or_archs
         if router.budgets != budgets:
@@ -139,7 +149,7 @@ def _architectures(
                 f"the router was trained for budgets {_as_map(router.budgets)}, not {_as_map(budgets)}: "
                 "its one-hot inputs would mean other budgets"
             )
-        return router.architectures(budgets)
+        return router.architectures(budgets, select=select, tolerance=tolerance, depth_order=depth_order)
     missing = [n for n in budgets.names if n not in router_or_archs]
     extra = sorted(set(router_or_archs) - set(budgets.names))
     if missing or extra:
@@ -217,10 +227,13 @@ def export_nested(
     extra_files: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     allow_off_target: bool = False,
     tolerance: float = 0.05,
+    select: str = "argmax",
 ) -> Path:
     """Write the nested checkpoint (full weights + ``elastic`` config section) to ``out_dir``.
 
-    ``router_or_archs``: a trained :class:`BudgetRouter` (architectures by argmax) or
+    ``router_or_archs``: a trained :class:`BudgetRouter` (architectures by ``select``: ``"argmax"``,
+    the method's rule, or ``"feasible"``, the on-target architecture nearest the argmax, see
+    :meth:`BudgetRouter.feasible_arch`; a budget so chosen records the argmax it replaced) or
     ``{budget name: Architecture or dict}``. ``extra_files``: ``{name: source}`` or a list of
     sources (copied under their own names), e.g. the tokenizer. Raises ``ValueError`` naming every
     budget whose active fraction is more than ``tolerance`` (relative) off its target, unless
@@ -229,8 +242,17 @@ def export_nested(
     config = model.config
     space.validate_against(config)
     order = check_depth_order(config.num_hidden_layers, depth_order)
-    archs = _architectures(router_or_archs, budgets)
+    archs = _architectures(router_or_archs, budgets, select, tolerance, order)
     infos, problems = describe_budgets(config, archs, budgets, space, order, tolerance)
+    if isinstance(router_or_archs, BudgetRouter) and select != "argmax":
+        argmax = router_or_archs.architectures(budgets)
+        full_active = count_params(config).active
+        for i, info in enumerate(infos):
+            a = argmax[info.name]
+            if a != info.architecture:
+                frac = count_params(config, a, order).active / full_active
+                note = f"{select}: the router argmax {a.to_dict()} has active fraction {frac:.4f}"
+                infos[i] = dataclasses.replace(info, selection=note)
     if problems and not allow_off_target:
         raise ValueError(
             "budgets off target: " + "; ".join(problems) + " (pass allow_off_target=True to export anyway)"
@@ -280,6 +302,7 @@ def read_elastic(path: str | Path) -> ElasticInfo:
                 active_fraction=float(b["active_fraction"]),
                 standalone=bool(b.get("standalone", True)),
                 warning=b.get("warning"),
+                selection=b.get("selection"),
             )
             for b in section["budgets"]
         ]

@@ -33,7 +33,9 @@ Design choices:
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -271,12 +273,76 @@ class BudgetRouter(nn.Module):
         layers = {i: LayerOverride(**ov) for i, ov in sorted(overrides.items())}
         return Architecture(**global_sizes, layers=layers)
 
-    def architectures(self, budget_set: BudgetSet | None = None) -> dict[str, Architecture]:
-        """``{budget name: argmax architecture}`` for every budget (default: the router's own set)."""
+    def feasible_arch(
+        self,
+        budget_vec: Tensor,
+        target_fraction: float,
+        tolerance: float = 0.05,
+        depth_order: Sequence[int] | None = None,
+        max_combinations: int = 200_000,
+    ) -> Architecture:
+        """The architecture nearest the argmax whose active parameters are within ``tolerance`` of the target.
+
+        A late router can saturate on an architecture the budget loss no longer moves (its Gumbel
+        samples are one-hot, so its gradients vanish). This selection keeps the router's ranking
+        but enforces the target: among every combination of candidates with
+        ``|active / (target_fraction * full_active) - 1| <= tolerance`` it returns the one that
+        gives up the least raw-logit margin, ``sum_axes (max_k z_k - z_chosen)`` (the argmax costs
+        0, so an on-target argmax is returned unchanged); ties go to the smaller deviation.
+        Exhaustive over global choices; per-layer routers and spaces of more than
+        ``max_combinations`` architectures raise ``ValueError`` (use the argmax there).
+        """
+        from model.elastic.params import count_params
+
+        if self.router_config.per_layer:
+            raise ValueError("feasible selection enumerates global choices; a per-layer router needs select='argmax'")
+        logits = {axis: z.detach().double() for axis, z in self.logits(budget_vec).items()}
+        n = math.prod(len(z) for z in logits.values())
+        if n > max_combinations:
+            raise ValueError(
+                f"feasible selection would enumerate {n:,} architectures (max_combinations={max_combinations:,}); "
+                "use select='argmax' or a smaller space"
+            )
+        full = count_params(self.config).active
+        best: tuple[float, float, Architecture] | None = None
+        axes = list(logits)
+        for idx in itertools.product(*(range(len(logits[a])) for a in axes)):
+            cost = sum(float(logits[a].max() - logits[a][i]) for a, i in zip(axes, idx, strict=True))
+            if best is not None and cost > best[0]:
+                continue
+            arch = Architecture(**{a: self.space.choices(a)[i] for a, i in zip(axes, idx, strict=True)})
+            deviation = abs(count_params(self.config, arch, depth_order).active / (target_fraction * full) - 1.0)
+            if deviation <= tolerance and (best is None or (cost, deviation) < best[:2]):
+                best = (cost, deviation, arch)
+        if best is None:
+            raise ValueError(
+                f"no architecture of the space has active parameters within {100 * tolerance:g}% of "
+                f"{target_fraction} x the parent's; widen the candidate lists or the tolerance"
+            )
+        return best[2]
+
+    def architectures(
+        self,
+        budget_set: BudgetSet | None = None,
+        select: str = "argmax",
+        tolerance: float = 0.05,
+        depth_order: Sequence[int] | None = None,
+    ) -> dict[str, Architecture]:
+        """``{budget name: architecture}`` for every budget (default: the router's own set).
+
+        ``select="argmax"``: the most likely candidate per axis (the method's rule);
+        ``select="feasible"``: :meth:`feasible_arch`, the nearest on-target architecture.
+        """
         bs = budget_set or self.budgets
         if len(bs) != self.n_budgets:
             raise ValueError(f"the router was built for {self.n_budgets} budgets; got a set of {len(bs)}")
-        return {name: self.argmax_arch(bs.one_hot(name)) for name in bs.names}
+        if select == "argmax":
+            return {name: self.argmax_arch(bs.one_hot(name)) for name in bs.names}
+        if select == "feasible":
+            return {
+                b.name: self.feasible_arch(bs.one_hot(b.name), b.fraction, tolerance, depth_order) for b in bs.budgets
+            }
+        raise ValueError(f"select must be 'argmax' or 'feasible', got {select!r}")
 
 
 def _gumbel(shape: torch.Size, generator: torch.Generator) -> Tensor:

@@ -169,3 +169,66 @@ def test_export_from_router(parent, tmp_path):
     with pytest.raises(ValueError, match="not a nested elastic checkpoint"):
         parent.save_pretrained(tmp_path / "plain")
         read_elastic(tmp_path / "plain")
+
+
+def _router_with_logits(parent: HybridLM, space: ElasticSpace, budgets: BudgetSet, table: dict) -> BudgetRouter:
+    """A router whose raw logits for budget j on each axis are ``table[axis][j]`` (a saturated router)."""
+    router = BudgetRouter(parent.config, space, budgets)
+    n_b = len(budgets)
+    with torch.no_grad():
+        for axis, rows in table.items():
+            out = router.heads[axis][2].weight  # (n_choices, hidden); hidden units 0..n_b-1 read the one-hot
+            out.zero_()
+            out[:, :n_b] = torch.tensor(rows, dtype=out.dtype).T
+    return router
+
+
+def test_feasible_selection_meets_the_target_nearest_the_argmax(parent, tmp_path):
+    import itertools
+
+    space = ElasticSpace(hidden=[32, 24, 16], mamba_heads=[4, 2], moe_ffn=[16, 8], experts=[4, 3])
+    budgets = BudgetSet.of({"full": 1.0, "small": 0.6})
+    table = {  # small saturated on (almost) the full architecture; hidden has the weakest preference
+        "hidden": [[5.0, 0.0, 0.0], [0.5, 0.4, 0.0]],
+        "mamba_heads": [[5.0, 0.0], [3.0, 0.0]],
+        "moe_ffn": [[5.0, 0.0], [2.0, 0.0]],
+        "experts": [[5.0, 0.0], [1.0, 0.0]],
+    }
+    router = _router_with_logits(parent, space, budgets, table)
+    cfg = parent.config
+    argmax = router.architectures(budgets)
+    assert argmax["small"] == Architecture(hidden=32, mamba_heads=4, moe_ffn=16, experts=4)
+    assert abs(count_params(cfg, argmax["small"]).active / count_params(cfg).active / 0.6 - 1) > 0.05
+
+    chosen = router.architectures(budgets, select="feasible")
+    assert chosen["full"] == argmax["full"] == Architecture(hidden=32, mamba_heads=4, moe_ffn=16, experts=4)
+    small = chosen["small"]
+    full_active = count_params(cfg).active
+
+    def deviation(arch: Architecture) -> float:
+        return abs(count_params(cfg, arch).active / (0.6 * full_active) - 1)
+
+    def cost(arch: Architecture) -> float:
+        d = arch.to_dict()
+        return sum(max(table[a][1]) - table[a][1][space.choices(a).index(d[a])] for a in table)
+
+    assert deviation(small) <= 0.05
+    feasible = [
+        Architecture(**dict(zip(table, combo, strict=True)))
+        for combo in itertools.product(*(space.choices(a) for a in table))
+    ]
+    feasible = [a for a in feasible if deviation(a) <= 0.05]
+    assert min(cost(a) for a in feasible) == pytest.approx(cost(small))
+
+    path = export_nested(parent, router, budgets, space, tmp_path / "f", select="feasible")
+    info = read_elastic(path)
+    assert info.architectures == chosen
+    assert info.budget("full").selection is None
+    assert "argmax" in info.budget("small").selection and info.budget("small").warning is None
+
+    tiny_target = BudgetSet.of({"full": 1.0, "small": 0.05})
+    router2 = BudgetRouter(parent.config, space, tiny_target)
+    with pytest.raises(ValueError, match="widen the candidate lists"):
+        router2.architectures(tiny_target, select="feasible")
+    with pytest.raises(ValueError, match="select must be"):
+        router2.architectures(tiny_target, select="closest")
