@@ -248,19 +248,62 @@ def test_strided_expert_views_equal_a_contiguous_copy(t):
         assert (view._grouped(x, idx, w, None, None) - copy._dense(x, idx, w, None, None)).abs().max() <= ATOL
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(n_groups=1, use_bias=True, mlp_bias=True),
+        dict(mamba_num_heads=8, n_groups=4, num_attention_heads=8, num_key_value_heads=4, use_bias=True),
+    ],
+)
+@pytest.mark.parametrize("batch", [1, 2])
 @torch.no_grad()
-def test_budget_views_decode_like_the_masked_parent():
-    """Budget view models (split projections, strided experts) on the fast path against the masked parent."""
-    cfg = HybridConfig(**{**TINY, "n_routed_experts": 8})
-    parent = HybridLM(cfg).init_weights(0).eval()
-    arch = Architecture(hidden=24, mamba_heads=2, moe_ffn=8, shared_ffn=16, mlp_ffn=32, experts=6)
+def test_budget_views_decode_like_the_masked_parent(overrides, batch):
+    """Budget view models (split projections, strided experts) against the masked parent: prefill, then the
+    fast decode path."""
+    parent = _model({"n_routed_experts": 8, **overrides})
+    cfg = parent.config
+    arch = Architecture(
+        hidden=24,
+        mamba_heads=cfg.mamba_num_heads // 2,
+        attn_heads=cfg.num_attention_heads // 2,
+        moe_ffn=8,
+        shared_ffn=16,
+        mlp_ffn=32,
+        experts=6,
+    )
     view = budget_model(parent, arch)
     masked = budget_model(parent, arch, prefer="masked")
-    ids = torch.randint(0, 64, (1, 12))
+    ids = torch.randint(0, 64, (batch, 12))
     a, b = view(ids[:, :5], use_cache=True), masked(ids[:, :5], use_cache=True)
+    assert (a.logits - b.logits).abs().max().item() <= ATOL
     for t in range(5, 12):
         a, b = view(ids[:, t : t + 1], cache=a.cache), masked(ids[:, t : t + 1], cache=b.cache)
         assert (a.logits - b.logits).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("inputs_major", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
+    """Row / column blocks of a weight, grouped into strided views, against index_select of the same weight."""
+    from model.budget_view import _col_linear, _row_linear, store_transposed
+
+    lin = torch.nn.Linear(20, 48, bias=bias)
+    if inputs_major:
+        store_transposed(lin.weight)
+    rows = torch.cat([torch.arange(0, 6), torch.arange(12, 18), torch.arange(24, 30), torch.arange(40, 44)])
+    x = torch.randn(3, 2, 16)
+    got = _row_linear(lin, rows, 16)(x)
+    want = torch.nn.functional.linear(x, lin.weight[rows, :16], lin.bias[rows] if bias else None)
+    assert (got - want).abs().max().item() <= ATOL
+    lin_t = torch.nn.Linear(48, 20, bias=bias)
+    if inputs_major:
+        store_transposed(lin_t.weight)
+    xs = torch.randn(3, 2, rows.numel())
+    got = _col_linear(lin_t, rows, 16)(xs)
+    want = torch.nn.functional.linear(xs, lin_t.weight[:16][:, rows], lin_t.bias[:16] if bias else None)
+    assert (got - want).abs().max().item() <= ATOL
 
 
 @pytest.mark.parametrize("grouped", [False, True])
