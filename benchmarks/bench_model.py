@@ -112,6 +112,28 @@ def check_parity(ours: HybridLM, hf: nn.Module, cfg: HybridConfig, prompt: int) 
     return {"forward_max_abs_diff": full, "decode_step_max_abs_diff": step}
 
 
+def decode_op_counts(ours: HybridLM, hf: nn.Module, cfg: HybridConfig, prompt: int, steps: int = 8) -> dict[str, float]:
+    """ATen operator calls per batch-1 cached decode step (nested calls included, as the profiler counts
+    them): a batch-1 step of a small model costs what its operators cost to dispatch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(321)
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt + steps), generator=g)
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        cache = ours(ids[:, :prompt], use_cache=True).cache
+        past = hf(ids[:, :prompt], use_cache=True).past_key_values
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(prompt, prompt + steps):
+                ours(ids[:, i : i + 1], cache=cache)
+        out["ours"] = sum(e.count for e in prof.key_averages()) / steps
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for i in range(prompt, prompt + steps):
+                hf(ids[:, i : i + 1], past_key_values=past, use_cache=True)
+        out["transformers"] = sum(e.count for e in prof.key_averages()) / steps
+    return out
+
+
 def prefill_case(fn: Forward, ids: Tensor) -> Case:
     """A no-grad forward over ``ids`` (full logits)."""
 
@@ -175,6 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = bench_config(args.hidden, args.pattern, args.vocab)
     ours, hf = build_models(cfg, args.seed)
     parity = check_parity(ours, hf, cfg, args.prompt)
+    op_counts = decode_op_counts(ours, hf, cfg, args.prompt)
     g = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
@@ -222,6 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "parameters": ours.num_parameters(),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "parity": parity,
+        "decode_b1_ops_per_step": op_counts,
         "results": results,
         "speedup": speedup,
         "timings": timings,
@@ -263,6 +287,12 @@ def report(out: dict[str, Any]) -> str:
         f"parity: forward max|diff| {p['forward_max_abs_diff']:.2e}, decode step {p['decode_step_max_abs_diff']:.2e}\n"
         f"transformers {t['version']} (attention: {t['attn_implementation']}, experts: {t['experts_implementation']})"
     )
+    ops = out.get("decode_b1_ops_per_step")
+    if ops:
+        head += (
+            f"\nATen operator calls per batch-1 decode step: ours {ops['ours']:.0f}, "
+            f"transformers {ops['transformers']:.0f}"
+        )
     before, after = m.get("other_cpu_load_before"), m.get("other_cpu_load_after")
     if before is not None and after is not None:
         head += f"\nCPU used by other processes: {100 * before:.0f}% before the run, {100 * after:.0f}% after"
