@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, load_average, machine_info, replace_section, save_json, set_threads  # noqa: E402
-from components.data import derive_seed, make_batch  # noqa: E402
+from components.data import ProblemConfig, derive_seed, generate_eval_sets, make_batch  # noqa: E402
 from components.data.tokenizer import CharTokenizer  # noqa: E402
 from components.distill.config import DistillConfig  # noqa: E402
 from components.distill.worker import lr_factor  # noqa: E402
@@ -79,8 +79,11 @@ def require(path: Path, what: str) -> Path:
 
 
 def heldout_batches(cfg: DistillConfig, tok: CharTokenizer, n: int, seed: int) -> list[Any]:
-    """``n`` packed batches of fresh problems from a stream no training step draws from."""
-    return [make_batch(cfg.data, tok, 16, 128, derive_seed("baseline-heldout", seed), i, pack=True) for i in range(n)]
+    """``n`` batches of 32 fresh problems, one per row as the parent was trained and is evaluated, from
+    a stream no training step draws from (the eval prompts excluded)."""
+    stream = derive_seed("baseline-heldout", seed)
+    exclude = cfg.excluded_prompts()
+    return [make_batch(ProblemConfig(), tok, 32, 64, stream, i, exclude=exclude) for i in range(n)]
 
 
 @torch.no_grad()
@@ -107,13 +110,14 @@ def plain_kd(
     opt = torch.optim.AdamW(groups, lr=phase.lr, betas=(0.9, 0.95))
     warmup = max(1, math.ceil(phase.warmup_frac * steps)) if phase.warmup_frac > 0 else 0
     stream = derive_seed("baseline", seed, phase.phase)
+    excluded = phase.excluded_prompts()  # the same held-out problems as the elastic run leaves out
     losses: list[float] = []
     student.train()
     start = time.perf_counter()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = phase.lr * lr_factor(step, steps, warmup, phase.min_lr_ratio)
-        batch = make_batch(phase.data, tok, rows, phase.seq_len, stream, step, pack=phase.packed)
+        batch = make_batch(phase.data, tok, rows, phase.seq_len, stream, step, pack=phase.packed, exclude=excluded)
         with torch.no_grad():
             zt = teacher(batch.input_ids).logits
         loss = kd_loss(student(batch.input_ids).logits, zt, batch.loss_mask)
@@ -149,7 +153,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--config", default="pipelines/configs/demo.yaml", help="the pipeline config of the run")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key.path=value")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kd-batches", type=int, default=8, help="held-out packed batches (16 x 128) for the KD loss")
+    ap.add_argument("--kd-batches", type=int, default=8, help="held-out batches (32 problems each) for the KD loss")
+    ap.add_argument(
+        "--long-levels",
+        type=int,
+        nargs="*",
+        default=[8, 10],
+        help="chain lengths beyond the evaluate stage's, scored for the elastic model after phase 1 and after phase 2",
+    )
+    ap.add_argument("--long-per-level", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0, help="seed of the separate runs' data streams")
     ap.add_argument("--results", default=None, help="write (or replace) this benchmark's section in this file")
     ap.add_argument("--json", default=None, help="write all figures to this JSON file")
@@ -177,6 +189,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with torch.no_grad():
         teacher_logits = [teacher(b.input_ids).logits for b in batches]
 
+    long_sets = generate_eval_sets(args.long_levels, args.long_per_level, ev.seed) if args.long_levels else {}
+    long_problems = [p for ps in long_sets.values() for p in ps]
+
+    def long_accuracy(model: HybridLM) -> float:
+        return task_accuracy(model, tok, long_problems, think=True, max_new_tokens=max_new).accuracy
+
     def score(model: HybridLM) -> dict[str, float]:
         acc = task_accuracy(model, tok, problems, think=True, max_new_tokens=max_new).accuracy
         return {"accuracy": acc, "kd": heldout_kd(model, teacher_logits, batches)}
@@ -189,8 +207,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     full_active = count_params(mc).active
     print(f"parent: {len(problems)} problems", flush=True)
     parent_score = score(teacher)
+    if long_problems:
+        parent_score = {**parent_score, "long": long_accuracy(teacher)}
     results: dict[str, Any] = {
         "parent": parent_score,
+        "long_levels": args.long_levels,
         "problems": len(problems),
         "elastic_tokens": tokens,
         "budgets": [],
@@ -202,8 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arch = b.architecture
         print(f"budget {b.name}: {arch.to_dict()}", flush=True)
         row: dict[str, Any] = {"name": b.name, "active": b.active_params, "total": b.total_params}
-        row["elastic"] = score(extract(nested, arch, depth))
-        row["phase1_only"] = score(extract(phase1, arch, depth))
+        after_p2, after_p1 = extract(nested, arch, depth), extract(phase1, arch, depth)
+        row["elastic"], row["phase1_only"] = score(after_p2), score(after_p1)
+        if long_problems:  # longer chains than the evaluate stage's: what the long phase 2 is for
+            row["long"] = {"phase1_only": long_accuracy(after_p1), "elastic": long_accuracy(after_p2)}
         if bi == 0 and b.active_params == full_active:
             row["sliced"] = parent_score
             row["separate"] = {**parent_score, "note": "the full architecture is the parent"}
@@ -251,7 +274,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in results["budgets"]
         ],
     )
+    long_table = ""
+    if results["long_levels"]:
+        long_table = format_table(
+            ["budget", "after phase 1", "after phase 2", "phase 2 effect"],
+            [["parent", "", f"{parent_score['long']:.3f}", ""]]
+            + [
+                [
+                    r["name"],
+                    f"{r['long']['phase1_only']:.3f}",
+                    f"{r['long']['elastic']:.3f}",
+                    f"{r['long']['elastic'] - r['long']['phase1_only']:+.3f}",
+                ]
+                for r in results["budgets"]
+            ],
+        )
+        print(long_table)
     results.update(
+        long_table=long_table,
         table=table,
         seconds=time.perf_counter() - start,
         machine=machine_info(args.threads),
@@ -278,7 +318,7 @@ def section(
         "",
         f"Every cell is accuracy / KD loss: accuracy by greedy decoding with full thinking of the evaluate "
         f"stage's {results['problems']} held-out problems (levels {ev.levels}, {ev.n_per_level} each, seed "
-        f"{ev.seed}); KD loss (nats/token) against the permuted parent on held-out packed batches. "
+        f"{ev.seed}); KD loss (nats/token) against the permuted parent on held-out problems, one per row. "
         f"Separate KD: each architecture alone, plain KD from the same parent, 1/{n_b} of the elastic run's "
         f"tokens, phase-1 then phase-2 shaped (lr {p1.lr} then {p2.lr}, batches "
         f"{p1.micro_batch_size * p1.num_workers} x {p1.seq_len} then {p2.micro_batch_size * p2.num_workers} x "
@@ -291,6 +331,18 @@ def section(
         "",
         results["table"],
         "",
+        *(
+            [
+                f"Phase 2 (longer chains) on problems longer than the evaluate stage's: chain lengths "
+                f"{results['long_levels']}, accuracy with full thinking, the same architecture after phase 1 "
+                "and after phase 2:",
+                "",
+                results["long_table"],
+                "",
+            ]
+            if results["long_table"]
+            else []
+        ),
         f"Training compute: elastic run {c['elastic_tokens']:,} tokens, {c['elastic_flops']:.3g} FLOPs "
         f"(teacher forward + full-width masked student), {c['elastic_stage_seconds']:.0f} s of stage time "
         f"(2 Ray Train workers, start-up and checkpoints included); the separate runs together "

@@ -87,6 +87,12 @@ class DistillConfig(BaseModel):
 
     # ------------------------------------------------------------------ data and schedule
     data: ProblemConfig = Field(default_factory=ProblemConfig, description="Built-in reasoning problems (the data).")
+    exclude_eval_levels: list[int] = Field(
+        default_factory=lambda: [1, 2, 3, 4, 5, 6],
+        description="Held-out eval levels whose prompts never enter training (the evaluate stage's problems).",
+    )
+    exclude_eval_per_level: int = Field(50, ge=0, description="Held-out problems per level to exclude (0: none).")
+    exclude_eval_seed: int = Field(0, description="Seed of the held-out eval sets to exclude.")
     steps: int = Field(200, ge=1, description="Optimizer steps of this phase.")
     micro_batch_size: int = Field(8, ge=1, description="Rows per worker per step.")
     seq_len: int | None = Field(
@@ -196,6 +202,17 @@ class DistillConfig(BaseModel):
         if self.phase == 2 and n == len(PHASE2_DEFAULT_PROBS):
             return list(PHASE2_DEFAULT_PROBS)
         return [1.0 / n] * n
+
+    def excluded_prompts(self) -> set[str] | None:
+        """Prompts of the held-out eval sets, never trained on (None when nothing is excluded)."""
+        from components.data import eval_prompts, generate_eval_sets
+
+        if not self.exclude_eval_per_level or not self.exclude_eval_levels:
+            return None
+        sets = generate_eval_sets(
+            self.exclude_eval_levels, self.exclude_eval_per_level, self.exclude_eval_seed, self.data
+        )
+        return eval_prompts(sets)
 
     @property
     def packed(self) -> bool:

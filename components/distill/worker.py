@@ -258,6 +258,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
         print(f"[distill p{cfg.phase}] attempt {state.attempt}: resumed at step {state.next_step}", flush=True)
 
     stream_seed = derive_seed("distill", cfg.seed, cfg.phase)
+    excluded = cfg.excluded_prompts()  # the evaluate stage's held-out problems are never trained on
     probs = cfg.sampling_probs
     n_b = len(budgets)
     acc = torch.zeros(n_b, 3, dtype=torch.float64)  # per budget since the last log: sum kd, sum budget loss, count
@@ -287,8 +288,9 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
             group["lr"] = base * factor
         b_idx = draw_budget(cfg.seed, cfg.phase, step, probs)
         batch = make_batch(
-            cfg.data, tokenizer, cfg.micro_batch_size, cfg.seq_len, stream_seed, step * world + rank, pack=cfg.packed
-        ).to(device)
+            cfg.data, tokenizer, cfg.micro_batch_size, cfg.seq_len, stream_seed, step * world + rank,
+            pack=cfg.packed, exclude=excluded,
+        ).to(device)  # fmt: skip
         loss, kd, bl, sample = elastic_loss(
             engine, teacher, batch.input_ids, batch.loss_mask, budgets, b_idx, step, cfg.steps,
             router_generator(cfg.seed, cfg.phase, step), cfg.alpha, full_active, cfg.space, cfg.depth_order,
