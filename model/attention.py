@@ -60,38 +60,53 @@ class Attention(nn.Module):
     def decode_step(self, hidden: Tensor, cache: KVCache, residual: Tensor) -> tuple[Tensor, KVCache]:
         """One cached decode token without a head mask: hidden, residual (b, hidden_size) -> residual + output.
 
-        The new key/value go straight into the preallocated cache slot. The query heads of a KV group are
-        consecutive (as ``enable_gqa`` pairs them), so one query's attention works on (batch * kv_heads)
-        groups with the group's heads as rows: no repeat of K/V. A short cache takes broadcast products and
-        sums instead of ``scaled_dot_product_attention`` / ``bmm`` / ``softmax``: those CPU kernels open an
-        OpenMP parallel region whatever the size, and on a shared CPU one region can wait a whole scheduler
-        time slice for its second thread (milliseconds, against microseconds of arithmetic). An empty or
-        full cache takes :meth:`forward`.
+        The new key/value go straight into the preallocated cache slot, and one query needs no transposes:
+        (b, heads, 1, head_dim) is the memory of (b, 1, heads * head_dim). With several threads, a short
+        cache takes broadcast products and sums instead of ``scaled_dot_product_attention`` (see
+        :func:`_broadcast_attention`). An empty or full cache takes :meth:`forward`.
         """
         b, past = hidden.shape[0], cache.length
         if past == 0 or past >= cache.k.shape[2]:
             out, new = self.forward(hidden[:, None], cache, True)
             return residual + out[:, 0], new
-        kv, d = self.num_kv_heads, self.head_dim
-        q = linear(self.q_proj, hidden).view(b * kv, self.num_heads // kv, d)
+        kv, d, heads = self.num_kv_heads, self.head_dim, self.num_heads
+        q = linear(self.q_proj, hidden)
         cache.k.select(2, past).copy_(linear(self.k_proj, hidden).view(b, kv, d))
         cache.v.select(2, past).copy_(linear(self.v_proj, hidden).view(b, kv, d))
         cache.length = n = past + 1
-        cap = cache.k.shape[2]
-        k = cache.k.reshape(b * kv, cap, d).narrow(1, 0, n)  # a view of the cache (it is contiguous)
-        v = cache.v.reshape(b * kv, cap, d).narrow(1, 0, n)
-        if q.numel() * n <= _SMALL_ATTENTION:
-            scores = (q.unsqueeze(2) * k.unsqueeze(1)).sum(-1).mul_(d**-0.5)  # (b * kv, heads per group, n)
-            # softmax; expm1 + 1 rather than exp, whose vectorised kernel is threaded from 128 elements up
-            p = torch.expm1(scores - scores.amax(-1, keepdim=True)).add_(1.0)
-            p = p.div_(p.sum(-1, keepdim=True))
-            out = (p.unsqueeze(-1) * v.unsqueeze(1)).sum(2)  # (b * kv, heads per group, head_dim)
+        k, v = cache.k.narrow(2, 0, n), cache.v.narrow(2, 0, n)  # (b, kv, n, d) views of the cache
+        if _use_broadcast(q.numel() * n):
+            out = _broadcast_attention(q.view(b * kv, heads // kv, d), k, v)
         else:
-            scores = torch.bmm(q, k.transpose(1, 2)).mul_(d**-0.5)
-            out = torch.bmm(torch.softmax(scores, dim=-1), v)
-        return linear(self.o_proj, out.reshape(b, self.num_heads * d), residual), cache
+            out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, enable_gqa=heads != kv)
+        return linear(self.o_proj, out.reshape(b, heads * d), residual), cache
 
 
 _SMALL_ATTENTION = 1 << 15
-"""Query elements x cached tokens up to which a decode step's attention uses broadcast products (ATen's
-grain size: below it elementwise kernels run on one thread, so that path opens no parallel region)."""
+"""Query elements x cached tokens up to which a multi-threaded decode step uses :func:`_broadcast_attention`
+(ATen's grain size: below it elementwise kernels run on one thread, so that path opens no parallel region)."""
+
+
+def _use_broadcast(work: int) -> bool:
+    """Whether one query's attention over ``work`` = query elements x cached tokens takes the broadcast path:
+    small, and more than one thread (with one thread no parallel region is ever opened)."""
+    return work <= _SMALL_ATTENTION and torch.get_num_threads() > 1
+
+
+def _broadcast_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One query per head: q (b * kv, heads per kv group, d), k / v (b, kv, n, d) -> (b * kv, heads per group, d).
+
+    The query heads of a KV group are consecutive (as ``enable_gqa`` pairs them), so each group is a batch
+    with its heads as rows: no repeat of K/V. Broadcast products and sums instead of
+    ``scaled_dot_product_attention`` / ``bmm`` / ``softmax``: those CPU kernels open an OpenMP parallel
+    region whatever the size, and on a shared CPU one region can wait a whole scheduler time slice for its
+    second thread (milliseconds, against microseconds of arithmetic).
+    """
+    b, kv, n, d = k.shape
+    k = k.reshape(b * kv, 1, n, d)  # a view when the cache is contiguous
+    v = v.reshape(b * kv, n, d)
+    scores = (q.unsqueeze(2) * k).sum(-1).mul_(d**-0.5)  # (b * kv, heads per group, n)
+    # softmax; expm1 + 1 rather than exp, whose vectorised kernel is threaded from 128 elements up
+    p = torch.expm1(scores - scores.amax(-1, keepdim=True)).add_(1.0)
+    p = p.div_(p.sum(-1, keepdim=True))
+    return (p.unsqueeze(-1) * v.unsqueeze(1)).sum(2)

@@ -172,20 +172,38 @@ class Mamba2Mixer(nn.Module):
         out = self._output(y.unsqueeze(1).to(z.dtype), z, head_mask)
         return out, MambaCache(window[:, 1:].transpose(1, 2), ssm, owned=True)
 
-    def _derived(self) -> tuple[Tensor, Tensor]:
+    def _derived(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
         """Tensors a decode step derives from the weights, rebuilt only when a weight changes.
 
-        Returns ``taps`` (K, conv_dim), the conv weight time-major and contiguous, and ``A`` (H,) =
-        -exp(A_log). The key holds each source's storage pointer and version counter, so an in-place update
-        (optimiser step, ``load_state_dict``) or a replaced tensor invalidates them.
+        Returns ``taps_t`` (K, conv_dim), the conv weight time-major and contiguous; ``taps_c`` (conv_dim, K, 1)
+        and ``bias_c`` (conv_dim, 1, 1) or None, views of the conv weight and bias; ``A`` (H, 1) =
+        -exp(A_log); ``D`` (H, 1), a view. The key holds every source's storage pointer (a replaced tensor)
+        and the version counters of those whose values are copied (an in-place update: optimiser step,
+        ``load_state_dict``), so a step pays neither the copies nor the view operators.
         """
-        w, a_log = self.conv1d.weight, self.A_log
+        conv, a_log, d = self.conv1d, self.A_log, self.D
+        w, bias = conv.weight, conv.bias
         try:
-            key = (w.data_ptr(), w._version, a_log.data_ptr(), a_log._version)
+            key = (
+                w.data_ptr(),
+                w._version,
+                a_log.data_ptr(),
+                a_log._version,
+                d.data_ptr(),
+                bias is None or bias.data_ptr(),
+            )
         except RuntimeError:  # inference-mode tensors have no version counter: derive them every time
             key = None
         if key is None or key != self._derived_key:
-            self._derived_cache = (w.detach()[:, 0].t().contiguous(), -torch.exp(a_log.detach().float()))
+            w = w.detach()
+            c, h = self.conv_dim, self.num_heads
+            self._derived_cache = (
+                w[:, 0].t().contiguous(),
+                w.reshape(c, -1, 1),
+                None if bias is None else bias.detach().view(c, 1, 1),
+                -torch.exp(a_log.detach().float()).view(h, 1),
+                d.detach().view(h, 1),
+            )
             self._derived_key = key
         return self._derived_cache
 
@@ -204,39 +222,37 @@ class Mamba2Mixer(nn.Module):
         if not (cache.owned and proj.dtype == ssm.dtype == torch.float32 and ssm.is_contiguous()):
             out, new = self._step(z[:, None], xbc[:, None], dt[:, None], cache, None)
             return residual + out[:, 0], new
-        taps, A = self._derived()
-        conv1d = self.conv1d
+        taps_t, taps_c, bias_c, A, D = self._derived()
+        c = self.conv_dim
         if b == 1:
             # Channel-major window (1, conv_dim, K): the K-tap dot product of every channel, plus its bias,
             # is one batched matmul (conv_dim batches of (1, K) @ (K, 1)) on a view of the conv weight.
-            c = self.conv_dim
             window = torch.cat([cache.conv, xbc.unsqueeze(-1)], dim=-1)
-            w = conv1d.weight.view(c, -1, 1)
-            if conv1d.bias is None:
-                conv = torch.bmm(window.view(c, 1, -1), w).view(1, c)
+            if bias_c is None:
+                conv = torch.bmm(window.view(c, 1, -1), taps_c).view(1, c)
             else:
-                conv = torch.baddbmm(conv1d.bias.view(c, 1, 1), window.view(c, 1, -1), w).view(1, c)
-            conv_state = window[:, :, 1:]
+                conv = torch.baddbmm(bias_c, window.view(c, 1, -1), taps_c).view(1, c)
+            conv_state = window.narrow(2, 1, self.kernel - 1)
         else:
             # Time-major window (b, K, conv_dim): the K-term sum runs across rows, which vectorises over
             # channels (~3x faster at batch 16 than summing K contiguous values per channel).
             window = torch.cat([cache.conv.transpose(1, 2), xbc.unsqueeze(1)], dim=1)
-            conv = (window * taps).sum(1)
-            if conv1d.bias is not None:
-                conv = conv + conv1d.bias
+            conv = (window * taps_t).sum(1)
+            if bias_c is not None:
+                conv = conv + bias_c.view(c)
             conv_state = window[:, 1:].transpose(1, 2)
         gn, h, p, g, n = self.n_groups * self.state_size, self.num_heads, self.head_dim, self.n_groups, self.state_size
         x, B, C = F.silu(conv).split_with_sizes([self.d_inner, gn, gn], -1)
-        dt = F.softplus(dt + self.dt_bias).clamp_(self.dt_min, self.dt_max)  # (b, H)
+        dt = F.softplus(dt + self.dt_bias).clamp_(self.dt_min, self.dt_max).view(b, h, 1)
         x = x.view(b, h, p)
         # SSM update in place (ssd_step_inplace's arithmetic): decay, then += dt * x (outer) B per group,
         # the heads of a group stacked as the rows of one batched matmul; y = state @ C + D * x.
-        ssm.mul_(torch.exp(dt * A).view(b, h, 1, 1))
+        ssm.mul_(torch.exp(dt * A).unsqueeze(-1))
         rows = ssm.view(b * g, (h // g) * p, n)
-        rows.baddbmm_((x * dt.view(b, h, 1)).view(b * g, -1, 1), B.reshape(b * g, 1, n))
-        y = torch.baddbmm((x * self.D.view(h, 1)).view(b * g, -1, 1), rows, C.reshape(b * g, n, 1))
+        rows.baddbmm_((x * dt).view(b * g, -1, 1), B.reshape(b * g, 1, n))
+        y = torch.baddbmm((x * D).view(b * g, -1, 1), rows, C.reshape(b * g, n, 1))
         # gated group norm (GatedGroupRMSNorm without the mask and dtype branches)
-        gated = y.view(b, self.d_inner) * F.silu(z)
+        gated = F.silu(z).mul_(y.view(b, self.d_inner))
         norm = self.norm
         if g == 1:
             gated = rms_norm_rows(gated, norm.weight, norm.eps)

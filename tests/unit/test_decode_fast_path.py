@@ -150,11 +150,34 @@ def test_fast_decode_follows_weight_updates():
     _compare(m, ids, prefill=4)
 
 
-def test_large_attention_path(monkeypatch):
-    """The bmm + softmax attention used past the small-size threshold computes the same step."""
-    monkeypatch.setattr(attention_module, "_SMALL_ATTENTION", 0)
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_both_attention_paths(monkeypatch, broadcast):
+    """The broadcast attention (several threads, short cache) and scaled_dot_product_attention compute the
+    same step."""
+    monkeypatch.setattr(attention_module, "_use_broadcast", lambda work: broadcast)
+    for overrides in ({}, dict(num_key_value_heads=4), dict(num_key_value_heads=1)):
+        m = _model(overrides)
+        _compare(m, torch.randint(0, 64, (2, 9)), prefill=4)
+    assert attention_module._use_broadcast(1) is broadcast
+
+
+def test_broadcast_attention_only_with_threads_and_small_work(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert attention_module._use_broadcast(1000)
+    assert not attention_module._use_broadcast(attention_module._SMALL_ATTENTION + 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not attention_module._use_broadcast(1000)
+
+
+@torch.no_grad()
+def test_fast_decode_under_inference_mode():
     m = _model({})
-    _compare(m, torch.randint(0, 64, (2, 9)), prefill=4)
+    ids = torch.randint(0, 64, (1, 9))
+    ref = m(ids).logits
+    with torch.inference_mode():
+        out = m(ids[:, :4], use_cache=True)
+        pieces = [out.logits] + [m(ids[:, t : t + 1], cache=out.cache).logits for t in range(4, 9)]
+    assert (torch.cat(pieces, 1) - ref).abs().max().item() <= ATOL
 
 
 def test_rms_norm_rows_and_linear_helpers():
