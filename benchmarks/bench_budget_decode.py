@@ -16,8 +16,9 @@ weights, three budgets each) and each budget, at batch 1:
   measured memory read bandwidth. Target: step time within 1.5x of it.
 * Bandwidth: ``sum`` over a tensor much larger than the caches (a pure read), and ``clone`` (read +
   write, both bytes counted), with the same thread count; best of 9, measured before and after.
-* ``lm_head layouts``: the largest single GEMV of a step, for each budget's hidden size, as the column
-  view a view model uses against a row prefix of the same matrix stored transposed.
+* ``lm_head layouts``: the largest single GEMV of a step, for each budget's hidden size, as a column
+  view of the row-major (vocab, hidden) matrix against a row prefix of the same matrix stored transposed
+  (what a view model computes: :func:`~model.budget_view.budget_model` stores the parent inputs-major).
 
 ``--profile`` prints the top operators of the decode step of the demo parent and of the large
 model's full and smallest budgets (what dominates when a step is far from its floor).
@@ -92,8 +93,8 @@ def step_time(model: torch.nn.Module, prompt: int, steps: int, vocab: int) -> Ti
 
 
 def lm_head_layouts(fields: dict, budgets: dict[str, Architecture], repeats: int = 15) -> list[dict[str, Any]]:
-    """Best ms of the lm_head GEMV of each budget: a column view of ``(vocab, hidden)`` (what a view model
-    does) against a row prefix of the same weight stored transposed, ``(hidden, vocab)``."""
+    """Best ms of the lm_head GEMV of each budget: a column view of a row-major ``(vocab, hidden)`` weight
+    against a row prefix of the same weight stored transposed, ``(hidden, vocab)`` (what a view model does)."""
     config = HybridConfig(**fields)
     w = torch.randn(config.vocab_size, config.hidden_size)
     wt = w.t().contiguous()
