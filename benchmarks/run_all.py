@@ -19,6 +19,7 @@ SCRIPTS = [
     "bench_quant_decode.py",
     "bench_serving.py",
     "bench_reap.py",
+    "bench_baselines.py",  # needs a finished `make run` (it reads that run's checkpoints)
 ]
 
 
