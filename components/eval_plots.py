@@ -71,11 +71,13 @@ def pareto_plot(
     rows: Sequence[dict[str, Any]],
     path: str | Path,
     title: str = "Accuracy vs latency per (think, answer) budget pair",
+    x_key: str = "mean_latency_s",
+    x_label: str = "mean latency per problem (s)",
 ) -> Path:
     """Write the two-panel PNG from overall result rows (``level == "all"``, ``carry_state`` False).
 
     Each row needs ``think_budget``, ``answer_budget``, ``think_cap`` (int or None),
-    ``mean_latency_s`` and ``accuracy``. Returns ``path``.
+    ``x_key`` (default ``mean_latency_s``) and ``accuracy``. Returns ``path``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -91,13 +93,13 @@ def pareto_plot(
     all_points: list[Point] = []
     for (think, answer), pts in curves.items():
         style = "-" if think == answer else "--"
-        by_lat = sorted(pts, key=lambda r: r["mean_latency_s"])
-        xs = [r["mean_latency_s"] for r in by_lat]
+        by_lat = sorted(pts, key=lambda r: r[x_key])
+        xs = [r[x_key] for r in by_lat]
         ys = [r["accuracy"] for r in by_lat]
         (line,) = ax.plot(xs, ys, style, marker="o", markersize=4, label=_label(think, answer))
         for r in by_lat:
             cap = "none" if r["think_cap"] is None else str(r["think_cap"])
-            ax.annotate(cap, (r["mean_latency_s"], r["accuracy"]), fontsize=6, alpha=0.7, xytext=(2, 2),
+            ax.annotate(cap, (r[x_key], r["accuracy"]), fontsize=6, alpha=0.7, xytext=(2, 2),
                         textcoords="offset points")  # fmt: skip
         all_points.extend(zip(xs, ys, strict=True))
         by_cap = sorted(pts, key=lambda r: _cap_key(r["think_cap"]))
@@ -107,7 +109,7 @@ def pareto_plot(
     if front:
         ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", alpha=0.5, lw=3,
                 label="Pareto front", zorder=0)  # fmt: skip
-    ax.set_xlabel("mean latency per problem (s)")
+    ax.set_xlabel(x_label)
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=10)

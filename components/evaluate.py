@@ -51,6 +51,7 @@ from model.phases import PhaseResult, PhaseTokens, budget_control
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
 PLOT_FILE = "pareto.png"
+PROXY_PLOT_FILE = "pareto_weight_passes.png"
 CSV_COLUMNS = (
     "think_budget",
     "answer_budget",
@@ -61,6 +62,7 @@ CSV_COLUMNS = (
     "n",
     "accuracy",
     "mean_latency_s",
+    "mean_weight_passes",
     "mean_think_tokens",
     "mean_answer_tokens",
     "mean_think_generated",
@@ -196,18 +198,32 @@ def score(problem: Problem, result: PhaseResult) -> bool:
 def _aggregate(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     n = sum(p["n"] for p in parts)
     out: dict[str, Any] = {"n": n}
-    for key in ("accuracy", "mean_latency_s", "mean_think_tokens", "mean_answer_tokens", "mean_think_generated",
-                "mean_answer_fed"):  # fmt: skip
+    for key in ("accuracy", "mean_latency_s", "mean_weight_passes", "mean_think_tokens", "mean_answer_tokens",
+                "mean_think_generated", "mean_answer_fed"):  # fmt: skip
         out[key] = sum(p[key] * p["n"] for p in parts) / n if n else 0.0
     return out
 
 
-def _summarize(problems: Sequence[Problem], results: Sequence[PhaseResult]) -> dict[str, Any]:
+def weight_passes(result: PhaseResult, think_share: float, answer_share: float) -> float:
+    """Latency proxy of one request where reading the weights dominates (large models, small batches):
+    forward passes weighted by the active-parameter share of the budget that runs them, in full-model
+    passes. The thinking phase runs ``1 + think_generated`` passes (a prefill, then one per decoded
+    token) on the think budget; the answer phase one pass for what it has to feed (a re-prefill or the
+    rest of a continued row), then one per answer token except the first, on the answer budget.
+    """
+    answer_passes = (1 if result.answer_fed else 0) + max(len(result.answer_tokens) - 1, 0)
+    return (1 + result.think_generated) * think_share + answer_passes * answer_share
+
+
+def _summarize(
+    problems: Sequence[Problem], results: Sequence[PhaseResult], think_share: float = 1.0, answer_share: float = 1.0
+) -> dict[str, Any]:
     n = len(results)
     return {
         "n": n,
         "accuracy": sum(score(p, r) for p, r in zip(problems, results, strict=True)) / n,
         "mean_latency_s": sum(r.seconds for r in results) / n,
+        "mean_weight_passes": sum(weight_passes(r, think_share, answer_share) for r in results) / n,
         "mean_think_tokens": sum(len(r.think_tokens) for r in results) / n,
         "mean_answer_tokens": sum(len(r.answer_tokens) for r in results) / n,
         "mean_think_generated": sum(r.think_generated for r in results) / n,
@@ -224,7 +240,7 @@ def _curve(rows: Sequence[dict[str, Any]], think: str, answer: str) -> list[dict
     ]
 
 
-def best_elastic_vs_standard(results: dict[str, Any]) -> dict[str, Any]:
+def best_elastic_vs_standard(results: dict[str, Any], cost_key: str = "mean_latency_s") -> dict[str, Any]:
     """The best elastic pair against standard budget control on the full budget.
 
     Method: the standard curve is the Pareto front of the full budget's (latency, accuracy)
@@ -233,11 +249,12 @@ def best_elastic_vs_standard(results: dict[str, Any]) -> dict[str, Any]:
     front's accuracy at its latency; ``speedup at equal accuracy`` = the front's latency to reach
     its accuracy divided by its latency (> 1: elastic is faster). A pair's score is its largest
     gain (then its largest speedup); the best pair maximises it. ``None`` where a point lies
-    outside the measured range of the standard curve.
+    outside the measured range of the standard curve. ``cost_key``: the row field used as latency
+    (measured ``mean_latency_s``, or the ``mean_weight_passes`` proxy of :func:`weight_passes`).
     """
     rows = results["rows"]
     full = results["full_budget"]
-    std_pts = [(r["mean_latency_s"], r["accuracy"]) for r in _curve(rows, full, full)]
+    std_pts = [(r[cost_key], r["accuracy"]) for r in _curve(rows, full, full)]
     front = pareto_front(std_pts)
     pairs: dict[str, Any] = {}
     for think, answer in {(r["think_budget"], r["answer_budget"]) for r in rows}:
@@ -245,7 +262,7 @@ def best_elastic_vs_standard(results: dict[str, Any]) -> dict[str, Any]:
             continue
         points = []
         for r in _curve(rows, think, answer):
-            lat, acc = r["mean_latency_s"], r["accuracy"]
+            lat, acc = r[cost_key], r["accuracy"]
             std_acc, std_lat = accuracy_at(front, lat), latency_for(front, acc)
             points.append(
                 {
@@ -267,7 +284,13 @@ def best_elastic_vs_standard(results: dict[str, Any]) -> dict[str, Any]:
             "best_gain": max(gains, key=lambda p: p["accuracy_gain"], default=None),
             "best_speedup": max(speeds, key=lambda p: p["speedup"], default=None),
         }
-    out: dict[str, Any] = {"full_budget": full, "standard_front": front, "pairs": pairs, "method": _METHOD}
+    out: dict[str, Any] = {
+        "full_budget": full,
+        "cost": cost_key,
+        "standard_front": front,
+        "pairs": pairs,
+        "method": _METHOD,
+    }
     if not pairs or not front:
         out["best_pair"] = None
         out["reason"] = "no elastic pairs were evaluated" if not pairs else "no standard curve for the full budget"
@@ -346,6 +369,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
     tok = CharTokenizer.load(folder)
     registry = BudgetRegistry.from_checkpoint(folder, dtype=_DTYPES[config.dtype], device=config.device)
     pairs = resolve_pairs(config, registry)
+    full_active = registry.active_params[registry.names[0]]
     sets = problem_sets(config)
     tokens = PhaseTokens.from_tokenizer(tok)
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
@@ -376,7 +400,8 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
                     allow_think_larger=config.allow_think_larger, think_limit=config.think_limit,
                 )  # fmt: skip
             notes.update(r.carry_note for r in outs if r.carry_note)
-            per_level.append({"level": label, **_summarize(problems, outs)})
+            shares = (registry.active_params[think] / full_active, registry.active_params[answer] / full_active)
+            per_level.append({"level": label, **_summarize(problems, outs, *shares)})
             bar.update(1)
             bar.set_postfix(pair=f"{think}->{answer}", cap=_cap_label(cap))
         key = {
@@ -405,6 +430,9 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
         "rows": rows,
     }
     results["comparison"] = best_elastic_vs_standard(results)
+    # At demo size a decode step costs its operator overhead whatever the budget, so measured latency
+    # cannot show what a smaller think budget saves; the weight-pass proxy shows it where weights dominate.
+    results["comparison_weight_passes"] = best_elastic_vs_standard(results, "mean_weight_passes")
     if config.carry_state_compare:
         results["carry_vs_re_prefill"] = carry_comparison(rows)
 
@@ -415,6 +443,13 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
     _write_csv(rows, csv_path)
     overall = [r for r in rows if r["level"] == "all" and not r["carry_state"]]
     plot_path = pareto_plot(overall, out / PLOT_FILE)
+    proxy_plot = pareto_plot(
+        overall,
+        out / PROXY_PLOT_FILE,
+        title="Accuracy vs weight-bound latency proxy per (think, answer) pair",
+        x_key="mean_weight_passes",
+        x_label="full-model forward passes per problem (active-parameter weighted)",
+    )
 
     metrics: dict[str, float] = {}
     for b, accs in per_budget.items():
@@ -433,8 +468,15 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
         metrics["elastic_vs_standard/accuracy_gain"] = comp["accuracy_gain_at_equal_latency"]["accuracy_gain"]
     if comp.get("speedup_at_equal_accuracy"):
         metrics["elastic_vs_standard/speedup"] = comp["speedup_at_equal_accuracy"]["speedup"]
+    proxy = results["comparison_weight_passes"]
+    if proxy.get("accuracy_gain_at_equal_latency"):
+        metrics["elastic_vs_standard_weight_passes/accuracy_gain"] = proxy["accuracy_gain_at_equal_latency"][
+            "accuracy_gain"
+        ]
+    if proxy.get("speedup_at_equal_accuracy"):
+        metrics["elastic_vs_standard_weight_passes/speedup"] = proxy["speedup_at_equal_accuracy"]["speedup"]
     tracker.log_metrics(metrics)
-    for path in (json_path, csv_path, plot_path):
+    for path in (json_path, csv_path, plot_path, proxy_plot):
         tracker.log_artifact(path, "evaluate")
     if comp.get("best_pair"):
         tracker.set_tags({"evaluate.best_elastic_pair": comp["best_pair"]})

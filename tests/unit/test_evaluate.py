@@ -102,7 +102,12 @@ def test_evaluate_writes_json_csv_png_and_logs(checkpoints):
     assert len(table) == len(rows) and {"none", "0", "3"} >= {t["think_cap"] for t in table}
     assert Path(res.plot_png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {"acc/full", "acc/small", "acc/full/L1", "latency_s/small"} <= set(tracker.metrics)
-    assert {name for name, _ in tracker.artifacts} == {"results.json", "results.csv", "pareto.png"}
+    assert {name for name, _ in tracker.artifacts} == {
+        "results.json",
+        "results.csv",
+        "pareto.png",
+        "pareto_weight_passes.png",
+    }
     assert tracker.params and tracker.params[0]["budgets"].keys() == {"full", "small"}
     assert res.comparison["full_budget"] == "full" and "small->full" in res.comparison["pairs"]
     # deterministic for a fixed seed (latencies aside)
@@ -181,3 +186,25 @@ def test_curves_and_best_pair():
     speed = comp["speedup_at_equal_accuracy"]
     assert speed["think_cap"] == 8 and speed["speedup"] == pytest.approx(3.0 / 1.5)
     assert comp["pairs"]["small->full"]["points"][0]["accuracy_gain"] is None  # faster than any standard point
+
+
+def test_weight_pass_proxy_counts_passes_by_active_share():
+    from components.evaluate import weight_passes
+
+    # 10 thinking tokens decoded on a budget of 0.5 (prefill + 10 passes), then a re-prefill of 30 tokens
+    # and 3 answer tokens on the full budget (the re-prefill pass yields the first, 2 more passes)
+    elastic = PhaseResult([1] * 9, [5, 6, 7], "", "", 10, "close", "stop", "prefill", 30, 0.1, 0.1)
+    assert weight_passes(elastic, 0.5, 1.0) == pytest.approx(11 * 0.5 + 1 + 2)
+    # a continued row with nothing left to feed: only the answer decode passes after the first token
+    continued = PhaseResult([1] * 9, [5, 6, 7], "", "", 10, "close", "stop", "continued", 0, 0.1, 0.1)
+    assert weight_passes(continued, 1.0, 1.0) == pytest.approx(11 + 2)
+
+    def row(t, cap, passes, acc):
+        return dict(think_budget=t, answer_budget="full", think_cap=cap, level="all", carry_state=False,
+                    mean_latency_s=1.0, mean_weight_passes=passes, accuracy=acc)  # fmt: skip
+
+    rows = [row("full", c, p, a) for c, p, a in [(0, 5.0, 0.2), (None, 40.0, 0.8)]]
+    rows += [row("small", None, 20.0, 0.8)]  # the same accuracy at half the weight reads
+    comp = best_elastic_vs_standard({"rows": rows, "full_budget": "full"}, "mean_weight_passes")
+    assert comp["cost"] == "mean_weight_passes" and comp["best_pair"] == "small->full"
+    assert comp["speedup_at_equal_accuracy"]["speedup"] == pytest.approx(2.0)
