@@ -29,12 +29,29 @@ def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
     One row (a batch-1 decode step): ``mean(x^2) + eps`` is a single ``addmm`` (x @ x^T scaled by 1/d,
     plus eps), then rsqrt and two products: 4 dispatches instead of ``F.rms_norm``'s 7 (it is a
-    composite on CPU). The dot product sums in another order than ``mean``: equal to float rounding.
+    composite on CPU). Several rows: ``x^2 @ ones / d + eps``, one more. The sums run in another
+    order than ``mean``: equal to float rounding.
     """
-    if x.shape[0] != 1:
+    if x.shape[0] == 1:
+        r = torch.addmm(_eps_tensor(eps, x), x, x.t(), alpha=1.0 / x.shape[-1]).rsqrt_()
+    elif x.dim() == 2:
+        # Several rows: the row sums of x^2 as one GEMV against a ones column (5 dispatches in all).
+        r = torch.addmm(_eps_tensor(eps, x), x.square(), _ones_column(x), alpha=1.0 / x.shape[-1]).rsqrt_()
+    else:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    r = torch.addmm(_eps_tensor(eps, x), x, x.t(), alpha=1.0 / x.shape[-1]).rsqrt_()
     return x * r if weight is None else torch.mul(x, weight).mul_(r)
+
+
+_ONES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _ones_column(x: Tensor) -> Tensor:
+    """A (d, 1) column of ones for ``x`` of shape (rows, d), one per (d, dtype, device)."""
+    key = (x.shape[-1], x.dtype, x.device)
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones((x.shape[-1], 1), dtype=x.dtype, device=x.device)
+    return t
 
 
 def _plain(module: nn.Module) -> bool:
