@@ -308,6 +308,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def _load(avg: Any) -> str:
+    return "n/a" if not avg else f"{avg[0]:.2f}"
+
+
 def section(
     results: dict[str, Any], command: str, p1: DistillConfig, p2: DistillConfig, ev: EvalConfig, n_b: int
 ) -> str:
@@ -347,8 +351,8 @@ def section(
         f"(teacher forward + full-width masked student), {c['elastic_stage_seconds']:.0f} s of stage time "
         f"(2 Ray Train workers, start-up and checkpoints included); the separate runs together "
         f"{c['separate_tokens']:,} tokens, {c['separate_flops']:.3g} FLOPs, {c['separate_seconds']:.0f} s "
-        f"(one process). Load average {results['load_average'][0]} at the start, {results['load_average'][1]} "
-        "at the end.",
+        f"(one process). Load average (1 min) {_load(results['load_average'][0])} at the start, "
+        f"{_load(results['load_average'][1])} at the end.",
         "",
     ]
     return "\n".join(lines)
