@@ -42,7 +42,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import format_table, machine_info, save_json, set_threads  # noqa: E402
+from benchmarks.common import format_table, machine_info, replace_section, save_json, set_threads  # noqa: E402
 from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch  # noqa: E402
 from components.data.tokenizer import CharTokenizer  # noqa: E402
 from components.lm_eval import task_accuracy  # noqa: E402
@@ -233,16 +233,7 @@ def append_section(
             "",
         ]
     )
-    text = path.read_text() if path.exists() else ""
-    if HEADING in text:  # replace our previous section, keep everyone else's
-        head, _, rest = text.partition(HEADING)
-        nxt = rest.find("\n## ")
-        text = (head.rstrip() + "\n\n" if head.strip() else "") + body + ("\n" + rest[nxt + 1 :] if nxt >= 0 else "")
-    elif text.strip():
-        text = text.rstrip() + "\n\n" + body
-    else:
-        text = body
-    path.write_text(text)
+    replace_section(path, HEADING, body)
 
 
 if __name__ == "__main__":
