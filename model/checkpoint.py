@@ -155,7 +155,10 @@ def read_tensors(folder: Path) -> dict[str, Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                tensors[key] = fh.get_tensor(key)
+                # Copied out of the file mapping: a tensor left in it keeps the whole mapping alive, and
+                # every page a relayout or a forward pass has read then stays resident beside the copies
+                # (a replica serving a 610 MB model measured 1.3 GB).
+                tensors[key] = fh.get_tensor(key).clone()
     return tensors
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,16 @@ def test_save_load_round_trip(tmp_path, tiny_config, prefix, layout):
     loaded = HybridLM.from_pretrained(tmp_path / "ck")
     ids = torch.randint(0, 64, (2, 9))
     assert torch.equal(loaded(ids).logits, m(ids).logits)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
+def test_loaded_model_does_not_keep_the_file_mapped(tmp_path, tiny_config):
+    """Tensors are copied out of the safetensors mapping: pages read later would otherwise stay resident."""
+    path = _model(tiny_config).save_pretrained(tmp_path / "ck")
+    loaded = HybridLM.from_pretrained(path)
+    gc.collect()
+    assert str(path / "model.safetensors") not in Path("/proc/self/maps").read_text()
+    assert loaded(torch.randint(0, 64, (1, 5))).logits.isfinite().all()
 
 
 def test_corrupt_file_is_detected(tmp_path, tiny_config):
