@@ -32,7 +32,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import format_table, machine_info, set_threads  # noqa: E402
+from benchmarks.common import format_table, machine_info, replace_section, set_threads  # noqa: E402
 from components.parent import DEMO_PARENT_ARCH  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
 from model.elastic import Architecture, ElasticSpace, count_params  # noqa: E402
@@ -170,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
     ap.add_argument("--large", action="store_true", help="also run the larger random config")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--results", type=Path, default=None, help="append the table to this Markdown file")
+    ap.add_argument("--results", type=Path, default=None, help="write (or replace) its section in this Markdown file")
     return ap.parse_args(argv)
 
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.results is not None:
         command = "python benchmarks/bench_quant_decode.py " + shlex.join(sys.argv[1:] if argv is None else argv)
         text = (
-            "\n## Quantized decode on CPU\n\n"
+            "## Quantized decode on CPU\n\n"
             f"Command: `{command}`\n\n"
             f"Machine: {info.get('cpu_model', info['processor'])}, {info['cpu_count']} cores, "
             f"torch {info['torch']}, {args.threads} thread(s). Batch {args.batch}, {args.prompt}-token prompt, "
@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             "dequantized weights after the first step, *on-the-fly* dequantizes at every step.\n\n"
             f"{table}\n"
         )
-        with open(args.results, "a", encoding="utf-8") as fh:
-            fh.write(text)
+        replace_section(args.results, "## Quantized decode on CPU", text)
 
 
 if __name__ == "__main__":
