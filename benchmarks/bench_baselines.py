@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 import time
@@ -54,7 +53,7 @@ from model.elastic.params import count_params  # noqa: E402
 from model.elastic.slicing import extract  # noqa: E402
 from model.hybrid import HybridLM  # noqa: E402
 from pipelines.config import load_pipeline_config  # noqa: E402
-from pipelines.runner import StageContext  # noqa: E402
+from pipelines.runner import MARKER, StageContext  # noqa: E402
 from pipelines.stages import build_distill1, build_distill2, build_evaluate  # noqa: E402
 
 HEADING = "## The nested family against separately distilled models"
@@ -65,7 +64,7 @@ def distill_configs(
 ) -> tuple[Any, Path, DistillConfig, DistillConfig, EvalConfig]:
     """The pipeline config, its run folder and the exact configs its distill and evaluate stages used."""
     cfg = load_pipeline_config(config_path, overrides)
-    run_dir = Path(cfg.runs_dir) / cfg.run_name
+    run_dir = cfg.run_dir
     p1 = build_distill1(StageContext(cfg, run_dir, "distill_phase1"))
     p2 = build_distill2(StageContext(cfg, run_dir, "distill_phase2"))
     ev = build_evaluate(StageContext(cfg, run_dir, "evaluate"))
@@ -108,7 +107,7 @@ def plain_kd(
     no_decay = [p for n, p in student.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": phase.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=phase.lr, betas=(0.9, 0.95))
-    warmup = max(1, math.ceil(phase.warmup_frac * steps)) if phase.warmup_frac > 0 else 0
+    warmup = phase.model_copy(update={"steps": steps}).warmup_steps  # the elastic phase's rule at this length
     stream = derive_seed("baseline", seed, phase.phase)
     excluded = phase.excluded_prompts()  # the same held-out problems as the elastic run leaves out
     losses: list[float] = []
@@ -144,7 +143,7 @@ def plain_kd(
 
 
 def stage_seconds(run_dir: Path, stage: str) -> float | None:
-    marker = run_dir / stage / "_stage.json"
+    marker = run_dir / stage / MARKER
     return float(json.loads(marker.read_text())["seconds"]) if marker.exists() else None
 
 
@@ -231,8 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["sliced"] = parent_score
             row["separate"] = {**parent_score, "note": "the full architecture is the parent"}
         else:
-            row["sliced"] = score(extract(teacher, arch, depth))
-            student = extract(teacher, arch, depth)
+            student = extract(teacher, arch, depth)  # scored untrained first, then distilled alone
+            row["sliced"] = score(student)
             student.requires_grad_(True)
             runs = []
             for phase, phase_tokens in ((p1, tokens["phase1"]), (p2, tokens["phase2"])):

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch
+from components.data import ProblemConfig, held_out_prompts, make_batch
 from components.data.tokenizer import CONFIG_FILE, TOKENIZER_FILE, CharTokenizer
 from components.tracking import Tracker
 from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
@@ -107,10 +107,7 @@ class RankOutputs(BaseModel):
 
 # ---------------------------------------------------------------------- calibration data
 def _exclude(cal: CalibrationConfig) -> set[str] | None:
-    if not cal.exclude_eval_per_level or not cal.exclude_eval_levels:
-        return None
-    sets = generate_eval_sets(cal.exclude_eval_levels, cal.exclude_eval_per_level, cal.exclude_eval_seed, cal.problem)
-    return eval_prompts(sets)
+    return held_out_prompts(cal.exclude_eval_levels, cal.exclude_eval_per_level, cal.exclude_eval_seed, cal.problem)
 
 
 def calibration_batch(cal: CalibrationConfig, tok: CharTokenizer, index: int, exclude: set[str] | None) -> torch.Tensor:

@@ -9,9 +9,10 @@ Design choices:
 * Grouped heads are not a single prefix. Keeping k of the H/G heads of every group keeps G
   separate row blocks of ``q_proj`` (or of Mamba's z / x / dt rows) and G column blocks of
   ``o_proj`` / ``out_proj``. ``F.linear`` needs one 2-D weight, and no 2-D view of a strided
-  block pattern exists, so those projections become :class:`RowSplitLinear` (outputs of G views,
-  concatenated) and :class:`ColSplitLinear` (G views applied to the matching input slices, summed):
-  still views, at the price of G small matmuls instead of one. Mamba's ``in_proj`` is split this
+  block pattern exists, so those projections become :mod:`model.split_linear` layers
+  (``RowSplitLinear``: outputs of the block views, concatenated; ``ColSplitLinear``: block views
+  applied to the matching input slices, summed), still views, with one batched matmul per run of
+  equally spaced blocks. Mamba's ``in_proj`` is split this
   way even with one group ([z | x | B | C | dt] keeps a prefix of z, x and dt but all of B and C).
 * Routed experts are strided 3-D views ``[:E', :F', :H']``. When the expert width shrinks, the
   (E, F) dimensions can no longer be flattened without a copy, which the parent's few-token
@@ -58,7 +59,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import HybridConfig
@@ -70,120 +70,9 @@ from model.elastic.space import ElasticSpace
 from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
 from model.moe import Experts, RoutingObserver
+from model.split_linear import col_linear, param, row_linear, runs
 
 Mode = Literal["view", "masked"]
-
-
-# ---------------------------------------------------------------------- split projections
-def runs(index: Tensor) -> list[tuple[int, int]]:
-    """Maximal contiguous runs of a 1-D index as (start, length): ``[0,1,2,8,9] -> [(0,3), (8,2)]``."""
-    idx = index.tolist()
-    out: list[tuple[int, int]] = []
-    for i in idx:
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out
-
-
-def regular_groups(blocks: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
-    """Consecutive runs of equal length at a constant spacing, as (start, length, spacing, count).
-
-    ``[(0, 4), (8, 4), (16, 4), (40, 2)] -> [(0, 4, 8, 3), (40, 2, 0, 1)]``. Kept heads form such
-    groups: the first k heads of every group of a group-major layout are G runs of k * head_dim rows,
-    one group-size apart, so one strided 3-D view covers all G of them.
-    """
-    out: list[tuple[int, int, int, int]] = []
-    for start, length in blocks:
-        if out:
-            s0, n0, step, count = out[-1]
-            nxt = s0 + step * count
-            if n0 == length and (count == 1 and start >= s0 + n0 or count > 1 and start == nxt):
-                out[-1] = (s0, n0, start - s0 if count == 1 else step, count + 1)
-                continue
-        out.append((start, length, 0, 1))
-    return out
-
-
-def _block_view(t: Tensor, dim: int, group: tuple[int, int, int, int]) -> Tensor:
-    """The runs ``group`` of ``t`` along ``dim`` as a view: a narrow for one run, else a strided 3-D view.
-
-    2-D ``t`` along dim 0 (rows): (count, length, cols); along dim 1 (columns): (count, rows, length).
-    1-D ``t``: (count, length).
-    """
-    start, length, step, count = group
-    if count == 1:
-        return t.narrow(dim, start, length)
-    windows = t.narrow(dim, start, step * (count - 1) + length).unfold(dim, length, step)
-    if t.dim() == 1:
-        return windows  # (count, length)
-    return windows.transpose(1, 2) if dim == 0 else windows.transpose(0, 1)
-
-
-class RowSplitLinear(nn.Module):
-    """``cat([x @ W_i^T + b_i])`` over row blocks ``W_i`` (views) of one parent weight.
-
-    A block is either a 2-D (rows, in) view or a strided 3-D (count, rows, in) view of ``count`` equal
-    row runs at a constant spacing (see :func:`regular_groups`), applied as one batched matmul: a budget
-    keeping k heads of every group runs one matmul per projection part instead of one per group.
-    x: (..., in) -> (..., sum of block rows).
-    """
-
-    def __init__(self, weights: Sequence[Tensor], biases: Sequence[Tensor] | None = None) -> None:
-        super().__init__()
-        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
-        self.biases = nn.ParameterList([nn.Parameter(b, requires_grad=False) for b in biases]) if biases else None
-        self.in_features = weights[0].shape[-1]
-        self.out_features = sum(w[..., 0].numel() for w in weights)
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        biases = self.biases if self.biases is not None else [None] * len(self.weights)
-        outs = []
-        for w, b in zip(self.weights, biases, strict=True):
-            if w.dim() == 2:
-                outs.append(F.linear(x2, w, b))
-                continue
-            y = torch.matmul(x2, w.transpose(1, 2))  # (count, rows, n)
-            if b is not None:
-                y = y + b.unsqueeze(1)
-            outs.append(y.transpose(0, 1).reshape(x2.shape[0], -1))
-        return torch.cat(outs, dim=-1).view(*lead, -1)
-
-
-class ColSplitLinear(nn.Module):
-    """``sum_i x_i @ W_i^T + b`` with ``x`` split along its last dim to the column blocks ``W_i`` (views).
-
-    A block is either a 2-D (out, cols) view or a strided 3-D (count, out, cols) view of ``count`` equal
-    column runs (one batched matmul and a sum over them). x: (..., sum of block columns) -> (..., out).
-    """
-
-    def __init__(self, weights: Sequence[Tensor], bias: Tensor | None = None) -> None:
-        super().__init__()
-        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.sizes = [w.shape[-1] * (w.shape[0] if w.dim() == 3 else 1) for w in weights]
-        self.in_features = sum(self.sizes)
-        self.out_features = weights[0].shape[-2]
-
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor | None = None
-        for p, w in zip(x.split(self.sizes, dim=-1), self.weights, strict=True):
-            if w.dim() == 2:
-                y = F.linear(p, w)
-            else:
-                count, rows, n = w.shape
-                parts = p.reshape(-1, count, n).transpose(0, 1)  # (count, rows of x, n)
-                y = torch.bmm(parts, w.transpose(1, 2)).sum(0).view(*p.shape[:-1], rows)
-            out = y if out is None else out + y
-        assert out is not None
-        return out if self.bias is None else out + self.bias
-
-
-def _param(t: Tensor) -> nn.Parameter:
-    return nn.Parameter(t, requires_grad=False)
 
 
 def _gather(t: Tensor, index: Tensor, dim: int = 0) -> Tensor:
@@ -192,36 +81,6 @@ def _gather(t: Tensor, index: Tensor, dim: int = 0) -> Tensor:
     if len(r) == 1:
         return t.detach().narrow(dim, r[0][0], r[0][1])
     return t.detach().index_select(dim, index.to(t.device))
-
-
-def _row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:
-    """``lin`` restricted to ``rows`` (None: all) and the first ``h`` input columns, as views."""
-    w = lin.weight.detach()[:, :h]
-    groups = [(0, w.shape[0], 0, 1)] if rows is None else regular_groups(runs(rows))
-    ws = [_block_view(w, 0, g) for g in groups]
-    bs = [_block_view(lin.bias.detach(), 0, g) for g in groups] if lin.bias is not None else None
-    if len(ws) == 1 and ws[0].dim() == 2:
-        out = nn.Linear(h, ws[0].shape[0], bias=bs is not None, device="meta")
-        out.weight = _param(ws[0])
-        if bs is not None:
-            out.bias = _param(bs[0])
-        return out
-    return RowSplitLinear(ws, bs)
-
-
-def _col_linear(lin: nn.Linear, cols: Tensor | None, h: int) -> nn.Module:
-    """``lin`` restricted to its first ``h`` output rows and to the input columns ``cols``, as views."""
-    w = lin.weight.detach()[:h]
-    bias = lin.bias.detach()[:h] if lin.bias is not None else None
-    groups = [(0, w.shape[1], 0, 1)] if cols is None else regular_groups(runs(cols))
-    ws = [_block_view(w, 1, g) for g in groups]
-    if len(ws) == 1 and ws[0].dim() == 2:
-        out = nn.Linear(ws[0].shape[1], h, bias=bias is not None, device="meta")
-        out.weight = _param(ws[0])
-        if bias is not None:
-            out.bias = _param(bias)
-        return out
-    return ColSplitLinear(ws, bias)
 
 
 @torch.no_grad()
@@ -254,29 +113,29 @@ def _view_mamba(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, 
     d, gn = c.mamba_d_inner, 2 * c.n_groups * c.ssm_state_size
     bc = torch.arange(gn)
     in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
-    dst.in_proj = _row_linear(src.in_proj, in_rows, h)
+    dst.in_proj = row_linear(src.in_proj, in_rows, h)
     conv_ch = torch.cat([ch, d + bc])  # [x | B | C]
-    dst.conv1d.weight = _param(_gather(src.conv1d.weight, conv_ch))
+    dst.conv1d.weight = param(_gather(src.conv1d.weight, conv_ch))
     if src.conv1d.bias is not None:
-        dst.conv1d.bias = _param(_gather(src.conv1d.bias, conv_ch))
+        dst.conv1d.bias = param(_gather(src.conv1d.bias, conv_ch))
     for name in ("dt_bias", "A_log", "D"):
-        setattr(dst, name, _param(_gather(getattr(src, name), heads)))
-    dst.norm.weight = _param(_gather(src.norm.weight, ch))
-    dst.out_proj = _col_linear(src.out_proj, ch, h)
+        setattr(dst, name, param(_gather(getattr(src, name), heads)))
+    dst.norm.weight = param(_gather(src.norm.weight, ch))
+    dst.out_proj = col_linear(src.out_proj, ch, h)
 
 
 def _view_attention(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, h: int) -> None:
     heads = grouped_heads(c.num_attention_heads, c.num_key_value_heads, la.attn_heads)
     ch = head_channels(heads, c.head_dim)
-    dst.q_proj = _row_linear(src.q_proj, ch, h)
-    dst.k_proj = _row_linear(src.k_proj, None, h)
-    dst.v_proj = _row_linear(src.v_proj, None, h)
-    dst.o_proj = _col_linear(src.o_proj, ch, h)
+    dst.q_proj = row_linear(src.q_proj, ch, h)
+    dst.k_proj = row_linear(src.k_proj, None, h)
+    dst.v_proj = row_linear(src.v_proj, None, h)
+    dst.o_proj = col_linear(src.o_proj, ch, h)
 
 
 def _view_mlp(dst: nn.Module, src: nn.Module, f: int, h: int) -> None:
-    dst.up_proj = _row_linear(src.up_proj, torch.arange(f), h)
-    dst.down_proj = _col_linear(src.down_proj, torch.arange(f), h)
+    dst.up_proj = row_linear(src.up_proj, torch.arange(f), h)
+    dst.down_proj = col_linear(src.down_proj, torch.arange(f), h)
 
 
 class StridedExperts(Experts):
@@ -314,14 +173,14 @@ class StridedExperts(Experts):
 
 def _view_moe(dst: nn.Module, src: nn.Module, la: LayerArch, h: int, config: HybridConfig) -> None:
     e, f = la.experts, la.ffn
-    dst.gate.weight = _param(src.gate.weight.detach()[:e, :h])
+    dst.gate.weight = param(src.gate.weight.detach()[:e, :h])
     dst.gate.e_score_correction_bias = src.gate.e_score_correction_bias[:e]
     up = src.experts.up_proj.detach()[:e, :f, :h]  # (E, F, H)
     if up.stride(0) != up.shape[1] * up.stride(1):  # (E, F) cannot be flattened without a copy
         with torch.device("meta"):
             dst.experts = StridedExperts(config)
-    dst.experts.up_proj = _param(up)
-    dst.experts.down_proj = _param(src.experts.down_proj.detach()[:e, :h, :f])  # (E, H, F)
+    dst.experts.up_proj = param(up)
+    dst.experts.down_proj = param(src.experts.down_proj.detach()[:e, :h, :f])  # (E, H, F)
     if src.shared_experts is not None:
         _view_mlp(dst.shared_experts, src.shared_experts, la.shared_ffn, h)
 
@@ -423,12 +282,12 @@ def budget_model(
         shell = HybridLM(new_config)  # meta tensors cost nothing; every one is replaced below
         shell.model.layers = nn.ModuleList(Block(lc, la.kind) for lc, la in zip(per_layer, res.kept, strict=True))
     backbone, lm_head = shell.model, shell.lm_head
-    backbone.embeddings.weight = _param(full.model.embeddings.weight.detach()[:, :h])
-    backbone.norm_f.weight = _param(full.model.norm_f.weight.detach()[:h])
-    lm_head.weight = _param(full.lm_head.weight.detach()[:, :h])
+    backbone.embeddings.weight = param(full.model.embeddings.weight.detach()[:, :h])
+    backbone.norm_f.weight = param(full.model.norm_f.weight.detach()[:h])
+    lm_head.weight = param(full.lm_head.weight.detach()[:, :h])
     for dst_block, la, lc in zip(backbone.layers, res.kept, per_layer, strict=True):
         src_block = full.model.layers[la.index]
-        dst_block.norm.weight = _param(src_block.norm.weight.detach()[:h])
+        dst_block.norm.weight = param(src_block.norm.weight.detach()[:h])
         if la.kind == "mamba":
             _view_mamba(dst_block.mixer, src_block.mixer, config, la, h)
         elif la.kind == "attention":

@@ -282,9 +282,8 @@ class MoE(nn.Module):
             w = [v / total for v in w]
         w = [v * gate.scaling for v in w]
         out = residual if self.shared_experts is None else self.shared_experts.decode_step(x, residual)
-        up, down = experts.up_proj, experts.down_proj
         for e, we in zip(ids, w, strict=True):
-            y = F.linear(F.relu(F.linear(x, up[e])).square_(), down[e])
+            y = experts._expert(x, e, None)
             out = out.add_(y, alpha=we) if out is not residual else torch.add(out, y, alpha=we)
         return out
 

@@ -47,7 +47,7 @@ def _cmd_rank(args: argparse.Namespace) -> int:
     """Rank and permute a parent: the pipeline's ``rank`` section (or a bare RankConfig mapping) + flags."""
     from components.rank import RankConfig, run_rank
     from components.tracking import make_tracker
-    from pipelines.config import set_by_path
+    from pipelines.config import apply_overrides
 
     raw = _load_yaml(args.config)
     if "rank" in raw or "run_name" in raw:  # a pipeline YAML: take its rank section
@@ -56,11 +56,7 @@ def _cmd_rank(args: argparse.Namespace) -> int:
         raw["parent_uri"] = args.parent
     if args.out:
         raw["output_dir"] = args.out
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. calibration.num_samples=64")
-        set_by_path(raw, key, value)
+    apply_overrides(raw, args.set or [])
     cfg = RankConfig(**raw)
     tracker = make_tracker(args.tracking_uri, "star-elastic-rank", run_name="rank")
     try:

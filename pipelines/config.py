@@ -112,6 +112,15 @@ def set_by_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     cur[keys[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
 
 
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> None:
+    """Apply ``key.path=value`` strings to a nested dict in place (values parsed as YAML)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key.path=value")
+        key, value = item.split("=", 1)
+        set_by_path(data, key.strip(), value)
+
+
 def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
     """Read a YAML file, apply ``key.path=value`` overrides, validate; every problem listed by field path."""
     p = Path(path)
@@ -120,11 +129,7 @@ def load_pipeline_config(path: str | Path, overrides: list[str] | None = None) -
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{p}: expected a mapping at the top level")
-    for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key.path=value")
-        key, value = item.split("=", 1)
-        set_by_path(data, key.strip(), value)
+    apply_overrides(data, overrides or [])
     try:
         return PipelineConfig(**data)
     except ValidationError as err:

@@ -31,6 +31,7 @@ from components.data.reasoning import (
     format_training_text,
     generate_eval_sets,
     generate_problems,
+    held_out_prompts,
     iter_problems,
     parse_prompt,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "format_prompt",
     "format_training_text",
     "generate_eval_sets",
+    "held_out_prompts",
     "generate_problems",
     "is_correct",
     "iter_problems",

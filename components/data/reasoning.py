@@ -279,6 +279,15 @@ def eval_prompts(eval_sets: dict[int, list[Problem]]) -> set[str]:
     return {p.prompt for problems in eval_sets.values() for p in problems}
 
 
+def held_out_prompts(
+    levels: list[int], n_per_level: int, seed: int, config: ProblemConfig | None = None
+) -> set[str] | None:
+    """Prompts of :func:`generate_eval_sets` ``(levels, n_per_level, seed)`` for ``exclude=``; None when empty."""
+    if not n_per_level or not levels:
+        return None
+    return eval_prompts(generate_eval_sets(levels, n_per_level, seed, config))
+
+
 def parse_prompt(prompt: str) -> tuple[int, list[tuple[str, int]]]:
     """Inverse of the prompt layout: ``"Q:7+5*3\\n"`` -> ``(7, [("+", 5), ("*", 3)])``."""
     body = prompt.strip()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from components.data import ProblemConfig
+from components.data import ProblemConfig, held_out_prompts
 from model.config import HybridConfig
 from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.router import RouterConfig
@@ -205,14 +205,8 @@ class DistillConfig(BaseModel):
 
     def excluded_prompts(self) -> set[str] | None:
         """Prompts of the held-out eval sets, never trained on (None when nothing is excluded)."""
-        from components.data import eval_prompts, generate_eval_sets
-
-        if not self.exclude_eval_per_level or not self.exclude_eval_levels:
-            return None
-        sets = generate_eval_sets(
-            self.exclude_eval_levels, self.exclude_eval_per_level, self.exclude_eval_seed, self.data
-        )
-        return eval_prompts(sets)
+        levels, n, seed = self.exclude_eval_levels, self.exclude_eval_per_level, self.exclude_eval_seed
+        return held_out_prompts(levels, n, seed, self.data)
 
     @property
     def packed(self) -> bool:

@@ -310,21 +310,22 @@ def test_budget_views_decode_like_the_masked_parent(overrides, batch):
 @torch.no_grad()
 def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
     """Row / column blocks of a weight, grouped into strided views, against index_select of the same weight."""
-    from model.budget_view import _col_linear, _row_linear, store_transposed
+    from model.budget_view import store_transposed
+    from model.split_linear import col_linear, row_linear
 
     lin = torch.nn.Linear(20, 48, bias=bias)
     if inputs_major:
         store_transposed(lin.weight)
     rows = torch.cat([torch.arange(0, 6), torch.arange(12, 18), torch.arange(24, 30), torch.arange(40, 44)])
     x = torch.randn(3, 2, 16)
-    got = _row_linear(lin, rows, 16)(x)
+    got = row_linear(lin, rows, 16)(x)
     want = torch.nn.functional.linear(x, lin.weight[rows, :16], lin.bias[rows] if bias else None)
     assert (got - want).abs().max().item() <= ATOL
     lin_t = torch.nn.Linear(48, 20, bias=bias)
     if inputs_major:
         store_transposed(lin_t.weight)
     xs = torch.randn(3, 2, rows.numel())
-    got = _col_linear(lin_t, rows, 16)(xs)
+    got = col_linear(lin_t, rows, 16)(xs)
     want = torch.nn.functional.linear(xs, lin_t.weight[:16][:, rows], lin_t.bias[:16] if bias else None)
     assert (got - want).abs().max().item() <= ATOL
 

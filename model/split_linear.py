@@ -1,0 +1,158 @@
+"""Linear layers whose weights are views of index blocks of one parent ``nn.Linear``.
+
+A budget keeping k of the H/G heads of every group keeps G row blocks of a projection (or G column
+blocks of the output projection). No 2-D view covers such a block pattern, so :func:`row_linear` and
+:func:`col_linear` return a plain ``nn.Linear`` over a view when the kept rows / columns are one
+prefix, and otherwise a :class:`RowSplitLinear` / :class:`ColSplitLinear`: every run of equal blocks
+at a constant spacing becomes one strided 3-D view applied as one batched matmul. Nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def param(t: Tensor) -> nn.Parameter:
+    """A frozen parameter around ``t`` (a view stays a view)."""
+    return nn.Parameter(t, requires_grad=False)
+
+
+def runs(index: Tensor) -> list[tuple[int, int]]:
+    """Maximal contiguous runs of a 1-D index as (start, length): ``[0,1,2,8,9] -> [(0,3), (8,2)]``."""
+    idx = index.tolist()
+    out: list[tuple[int, int]] = []
+    for i in idx:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
+def regular_groups(blocks: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Consecutive runs of equal length at a constant spacing, as (start, length, spacing, count).
+
+    ``[(0, 4), (8, 4), (16, 4), (40, 2)] -> [(0, 4, 8, 3), (40, 2, 0, 1)]``. Kept heads form such
+    groups: the first k heads of every group of a group-major layout are G runs of k * head_dim rows,
+    one group-size apart, so one strided 3-D view covers all G of them.
+    """
+    out: list[tuple[int, int, int, int]] = []
+    for start, length in blocks:
+        if out:
+            s0, n0, step, count = out[-1]
+            nxt = s0 + step * count
+            if n0 == length and (count == 1 and start >= s0 + n0 or count > 1 and start == nxt):
+                out[-1] = (s0, n0, start - s0 if count == 1 else step, count + 1)
+                continue
+        out.append((start, length, 0, 1))
+    return out
+
+
+def _block_view(t: Tensor, dim: int, group: tuple[int, int, int, int]) -> Tensor:
+    """The runs ``group`` of ``t`` along ``dim`` as a view: a narrow for one run, else a strided 3-D view.
+
+    2-D ``t`` along dim 0 (rows): (count, length, cols); along dim 1 (columns): (count, rows, length).
+    1-D ``t``: (count, length).
+    """
+    start, length, step, count = group
+    if count == 1:
+        return t.narrow(dim, start, length)
+    windows = t.narrow(dim, start, step * (count - 1) + length).unfold(dim, length, step)
+    if t.dim() == 1:
+        return windows  # (count, length)
+    return windows.transpose(1, 2) if dim == 0 else windows.transpose(0, 1)
+
+
+class RowSplitLinear(nn.Module):
+    """``cat([x @ W_i^T + b_i])`` over row blocks ``W_i`` (views) of one parent weight.
+
+    A block is either a 2-D (rows, in) view or a strided 3-D (count, rows, in) view of ``count`` equal
+    row runs at a constant spacing (see :func:`regular_groups`), applied as one batched matmul: a budget
+    keeping k heads of every group runs one matmul per projection part instead of one per group.
+    x: (..., in) -> (..., sum of block rows).
+    """
+
+    def __init__(self, weights: Sequence[Tensor], biases: Sequence[Tensor] | None = None) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
+        self.biases = nn.ParameterList([nn.Parameter(b, requires_grad=False) for b in biases]) if biases else None
+        self.in_features = weights[0].shape[-1]
+        self.out_features = sum(w[..., 0].numel() for w in weights)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        biases = self.biases if self.biases is not None else [None] * len(self.weights)
+        outs = []
+        for w, b in zip(self.weights, biases, strict=True):
+            if w.dim() == 2:
+                outs.append(F.linear(x2, w, b))
+                continue
+            y = torch.matmul(x2, w.transpose(1, 2))  # (count, rows, n)
+            if b is not None:
+                y = y + b.unsqueeze(1)
+            outs.append(y.transpose(0, 1).reshape(x2.shape[0], -1))
+        return torch.cat(outs, dim=-1).view(*lead, -1)
+
+
+class ColSplitLinear(nn.Module):
+    """``sum_i x_i @ W_i^T + b`` with ``x`` split along its last dim to the column blocks ``W_i`` (views).
+
+    A block is either a 2-D (out, cols) view or a strided 3-D (count, out, cols) view of ``count`` equal
+    column runs (one batched matmul and a sum over them). x: (..., sum of block columns) -> (..., out).
+    """
+
+    def __init__(self, weights: Sequence[Tensor], bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in weights])
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.sizes = [w.shape[-1] * (w.shape[0] if w.dim() == 3 else 1) for w in weights]
+        self.in_features = sum(self.sizes)
+        self.out_features = weights[0].shape[-2]
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor | None = None
+        for p, w in zip(x.split(self.sizes, dim=-1), self.weights, strict=True):
+            if w.dim() == 2:
+                y = F.linear(p, w)
+            else:
+                count, rows, n = w.shape
+                parts = p.reshape(-1, count, n).transpose(0, 1)  # (count, rows of x, n)
+                y = torch.bmm(parts, w.transpose(1, 2)).sum(0).view(*p.shape[:-1], rows)
+            out = y if out is None else out + y
+        assert out is not None
+        return out if self.bias is None else out + self.bias
+
+
+def row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:
+    """``lin`` restricted to ``rows`` (None: all) and the first ``h`` input columns, as views."""
+    w = lin.weight.detach()[:, :h]
+    groups = [(0, w.shape[0], 0, 1)] if rows is None else regular_groups(runs(rows))
+    ws = [_block_view(w, 0, g) for g in groups]
+    bs = [_block_view(lin.bias.detach(), 0, g) for g in groups] if lin.bias is not None else None
+    if len(ws) == 1 and ws[0].dim() == 2:
+        out = nn.Linear(h, ws[0].shape[0], bias=bs is not None, device="meta")
+        out.weight = param(ws[0])
+        if bs is not None:
+            out.bias = param(bs[0])
+        return out
+    return RowSplitLinear(ws, bs)
+
+
+def col_linear(lin: nn.Linear, cols: Tensor | None, h: int) -> nn.Module:
+    """``lin`` restricted to its first ``h`` output rows and to the input columns ``cols``, as views."""
+    w = lin.weight.detach()[:h]
+    bias = lin.bias.detach()[:h] if lin.bias is not None else None
+    groups = [(0, w.shape[1], 0, 1)] if cols is None else regular_groups(runs(cols))
+    ws = [_block_view(w, 1, g) for g in groups]
+    if len(ws) == 1 and ws[0].dim() == 2:
+        out = nn.Linear(ws[0].shape[1], h, bias=bias is not None, device="meta")
+        out.weight = param(ws[0])
+        if bias is not None:
+            out.bias = param(bias)
+        return out
+    return ColSplitLinear(ws, bias)
