@@ -9,7 +9,9 @@ are timed in one process. Measured, each as the median of ``--repeats`` runs aft
 * decode: milliseconds per cached single-token step after a ``--prompt``-token prefill, at batch 1 and
   at ``--batch``.
 
-Speedups are ours / transformers for throughputs and transformers / ours for times (> 1: ours faster).
+Speedups (> 1: ours faster) are transformers' time / ours for the same work, taken round by round (the two
+sides alternate, first one then the other) and reported as the median over rounds with its interquartile range:
+other processes slow whole rounds, so a per-round ratio is steadier than the ratio of two medians.
 
     python benchmarks/bench_model.py --threads 2 --json runs/bench_model.json
 """
@@ -37,6 +39,7 @@ from benchmarks.common import (  # noqa: E402
     format_table,
     machine_info,
     other_cpu_load,
+    paired_ratio,
     save_json,
     set_threads,
     time_interleaved,
@@ -226,10 +229,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         measured = time_interleaved(cases, args.warmup, args.repeats)
         record(f"decode_b{batch}_ms_per_step", measured, lambda t: 1e3 * t.median_s / args.decode_steps)
 
+    # speedup (> 1: ours faster) = transformers' time / ours, round by round (both sides time the same work)
     speedup: dict[str, float] = {}
-    for key, ours_v in results["ours"].items():
-        hf_v = results["transformers"][key]
-        speedup[key] = ours_v / hf_v if key.endswith("per_s") else hf_v / ours_v
+    speedup_iqr: dict[str, tuple[float, float]] = {}
+    for key in results["ours"]:
+        median, q1, q3 = paired_ratio(timings["transformers"][key], timings["ours"][key])
+        speedup[key], speedup_iqr[key] = median, (q1, q3)
     machine = machine_info(args.threads)
     machine["other_cpu_load_before"] = busy_before
     machine["other_cpu_load_after"] = other_cpu_load()
@@ -248,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_b1_ops_per_step": op_counts,
         "results": results,
         "speedup": speedup,
+        "speedup_iqr": speedup_iqr,
         "timings": timings,
     }
 
@@ -274,8 +280,10 @@ def report(out: dict[str, Any]) -> str:
         key = key.format(**s)
         ours, hf = out["results"]["ours"][key], out["results"]["transformers"][key]
         sp = out["speedup"][key]
-        rows.append([label.format(**s), ours, hf, f"{sp:.2f}x", f">= {target:g}x", "yes" if sp >= target else "NO"])
-    table = format_table(["measure", "ours", "transformers", "speedup", "target", "met"], rows)
+        lo, hi = out.get("speedup_iqr", {}).get(key, (sp, sp))
+        met = "yes" if sp >= target else "NO"
+        rows.append([label.format(**s), ours, hf, f"{sp:.2f}x", f"{lo:.2f}-{hi:.2f}", f">= {target:g}x", met])
+    table = format_table(["measure", "ours", "transformers", "speedup", "IQR", "target", "met"], rows)
     m = out["machine"]
     p = out["parity"]
     t = out["transformers"]
@@ -311,7 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32, help="prompt tokens before the timed decode steps")
     ap.add_argument("--decode-steps", type=int, default=16, help="decode steps per timed run")
-    ap.add_argument("--repeats", type=int, default=7, help="timed runs per measure (the median is reported)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed rounds per measure (medians are reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs before timing")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write every figure and sample here")

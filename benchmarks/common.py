@@ -72,11 +72,15 @@ def time_interleaved(cases: dict[str, Case], warmup: int = 2, repeats: int = 5) 
     """Time several cases round-robin: every round runs each case once, in the same order.
 
     On a shared machine the load drifts over a run; interleaving exposes every case to the same drift,
-    so their ratio stays meaningful even when the absolute figures move.
+    so their ratio stays meaningful even when the absolute figures move. The order is reversed every
+    other round, so no case always runs first (right after another case's memory traffic). Samples
+    keep the round order, so :func:`paired_ratio` can compare the cases round by round.
     """
     samples: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     for i in range(warmup + repeats):
-        for name, case in cases.items():
+        for name in names if i % 2 == 0 else reversed(names):
+            case = cases[name]
             arg = case.setup() if case.setup is not None else None
             start = time.perf_counter()
             case.fn() if case.setup is None else case.fn(arg)
@@ -84,6 +88,15 @@ def time_interleaved(cases: dict[str, Case], warmup: int = 2, repeats: int = 5) 
             if i >= warmup:
                 samples[name].append(elapsed)
     return {name: Timing.of(s) for name, s in samples.items()}
+
+
+def paired_ratio(numerator: Timing, denominator: Timing) -> tuple[float, float, float]:
+    """Median and quartiles of ``numerator / denominator`` taken round by round (samples of
+    :func:`time_interleaved`, same order). Other processes slow whole rounds, both cases alike, so the
+    per-round ratio is steadier than the ratio of the two medians on a busy machine."""
+    ratios = sorted(a / b for a, b in zip(numerator.samples, denominator.samples, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return statistics.median(ratios), q[0], q[2]
 
 
 def load_average() -> tuple[float, float, float] | None:

@@ -70,16 +70,17 @@ class Attention(nn.Module):
             out, new = self.forward(hidden[:, None], cache, True)
             return residual + out[:, 0], new
         kv, d, heads = self.num_kv_heads, self.head_dim, self.num_heads
-        q = linear(self.q_proj, hidden)
-        cache.k.select(2, past).copy_(linear(self.k_proj, hidden).view(b, kv, d))
-        cache.v.select(2, past).copy_(linear(self.v_proj, hidden).view(b, kv, d))
+        modules = self._modules  # not self.q_proj etc.: module attributes cost a failed lookup first
+        q = linear(modules["q_proj"], hidden)
+        cache.k.select(2, past).copy_(linear(modules["k_proj"], hidden).view(b, kv, d))
+        cache.v.select(2, past).copy_(linear(modules["v_proj"], hidden).view(b, kv, d))
         cache.length = n = past + 1
         k, v = cache.k.narrow(2, 0, n), cache.v.narrow(2, 0, n)  # (b, kv, n, d) views of the cache
         if _use_broadcast(q.numel() * n):
             out = _broadcast_attention(q.view(b * kv, heads // kv, d), k, v)
         else:
             out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, enable_gqa=heads != kv)
-        return linear(self.o_proj, out.reshape(b, heads * d), residual), cache
+        return linear(modules["o_proj"], out.reshape(b, heads * d), residual), cache
 
 
 _SMALL_ATTENTION = 1 << 15

@@ -68,14 +68,18 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
 
     A plain :class:`~torch.nn.Linear` without hooks is applied directly (``Module.__call__``'s hook
     bookkeeping costs as much as a small GEMV's dispatch), and without a bias the residual is added by
-    the GEMM itself (``addmm``: one operator instead of two).
+    the GEMM itself (one operator instead of two). x must be 2-D when ``residual`` is given.
     """
     if _plain(module):
+        params = module._parameters  # not module.weight: a module attribute costs a failed lookup first
+        weight, bias = params["weight"], params["bias"]
         if residual is None:
-            return F.linear(x, module.weight, module.bias)
-        if module.bias is None:
-            return torch.addmm(residual, x, module.weight.t())
-        return F.linear(x, module.weight, module.bias).add_(residual)
+            return F.linear(x, weight, bias)
+        if bias is None:
+            # F.linear on a 2-D input is addmm(bias, x, weight.t()) with any bias that broadcasts to the
+            # output, so the residual is added by the GEMM itself, with one call and no transposed view
+            return F.linear(x, weight, residual)
+        return F.linear(x, weight, bias).add_(residual)
     out = module(x)
     return out if residual is None else out + residual
 

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import Attention
 from model.cache import HybridCache, empty_cache
 from model.config import HybridConfig
-from model.fastops import rms_norm_rows
+from model.fastops import linear, rms_norm_rows
 from model.mamba import Mamba2Mixer
 from model.masks import LayerMask, ModelMask, active_fraction
 from model.mlp import MLP
@@ -96,16 +97,17 @@ class Block(nn.Module):
         the mixers' ``decode_step`` methods take their own lean paths. A layer whose cache is not
         filled yet (a first token without prefill) takes :meth:`forward`.
         """
-        norm = self.norm
-        h = rms_norm_rows(x, norm.weight, norm.eps)
+        modules = self._modules  # not self.norm / self.mixer: module attributes cost a failed lookup first
+        norm, mixer = modules["norm"], modules["mixer"]
+        h = rms_norm_rows(x, norm._parameters["weight"], norm.eps)
         kind = self.kind
         if kind == "moe" or kind == "mlp":
-            return self.mixer.decode_step(h, x)
+            return mixer.decode_step(h, x)
         layer_cache = cache.layers[index]
         if layer_cache is None:
-            h, cache.layers[index] = self.mixer(h[:, None], None, True, None)
+            h, cache.layers[index] = mixer(h[:, None], None, True, None)
             return x + h[:, 0]
-        h, cache.layers[index] = self.mixer.decode_step(h, layer_cache, x)
+        h, cache.layers[index] = mixer.decode_step(h, layer_cache, x)
         return h
 
 
@@ -202,7 +204,7 @@ class HybridLM(nn.Module):
             and input_ids.shape[1] == 1
             and self.fast_decode
             and not torch.is_grad_enabled()
-            and self.model.embeddings.weight.dtype == torch.float32
+            and self._modules["model"]._modules["embeddings"]._parameters["weight"].dtype == torch.float32
         ):
             return self._decode_step(input_ids, cache, return_hidden)
         if use_cache and cache is None:
@@ -231,13 +233,19 @@ class HybridLM(nn.Module):
         The general forward's function with far fewer operators (a batch-1 step is op-bound): the residual
         stream stays (batch, hidden), and each block runs :meth:`Block.decode_step`.
         """
-        x = self.model.embeddings(input_ids.view(-1))  # (batch, hidden)
-        for i, block in enumerate(self.model.layers):
+        backbone = self._modules["model"]
+        parts = backbone._modules
+        embeddings = parts["embeddings"]
+        if type(embeddings) is nn.Embedding and embeddings.padding_idx is None and embeddings.max_norm is None:
+            x = F.embedding(input_ids.view(-1), embeddings._parameters["weight"])  # (batch, hidden)
+        else:
+            x = embeddings(input_ids.view(-1))
+        for i, block in enumerate(parts["layers"]):
             x = block.decode_step(x, cache, i)
         cache.seen_tokens += 1
-        norm = self.model.norm_f
-        h = rms_norm_rows(x, norm.weight, norm.eps)
-        logits = self.lm_head(h)[:, None]
+        norm = parts["norm_f"]
+        h = rms_norm_rows(x, norm._parameters["weight"], norm.eps)
+        logits = linear(self._modules["lm_head"], h)[:, None]
         return CausalLMOutput(logits=logits, cache=cache, hidden=h[:, None] if return_hidden else None)
 
     # ------------------------------------------------------------------ bookkeeping

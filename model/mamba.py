@@ -29,6 +29,12 @@ except ImportError:  # pragma: no cover - CPU installs never have it
     _causal_conv1d_kernel = None
 
 
+_ELEMENTWISE_STATE = 4096
+"""SSM state elements (batch x heads x head_dim x state) from which a decode step updates and reads the state
+with elementwise kernels rather than batched matmuls (below it, one row of a small model, the matmuls are
+as fast and take fewer dispatches)."""
+
+
 def _cpu_chunk_size(seqlen: int, chunk_size: int) -> int:
     """Chunk length of the PyTorch scan on CPU: 16 up to 256 tokens, else 32 (never above ``chunk_size``).
 
@@ -172,17 +178,21 @@ class Mamba2Mixer(nn.Module):
         out = self._output(y.unsqueeze(1).to(z.dtype), z, head_mask)
         return out, MambaCache(window[:, 1:].transpose(1, 2), ssm, owned=True)
 
-    def _derived(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+    def _derived(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
         """Tensors a decode step derives from the weights, rebuilt only when a weight changes.
 
-        Returns ``taps_t`` (K, conv_dim), the conv weight time-major and contiguous; ``taps_c`` (conv_dim, K, 1)
-        and ``bias_c`` (conv_dim, 1, 1) or None, views of the conv weight and bias; ``A`` (H, 1) =
-        -exp(A_log); ``D`` (H, 1), a view. The key holds every source's storage pointer (a replaced tensor)
-        and the version counters of those whose values are copied (an in-place update: optimiser step,
-        ``load_state_dict``), so a step pays neither the copies nor the view operators.
+        Returns ``taps_t`` (K, conv_dim), the conv weight time-major and contiguous; ``taps_c`` (conv_dim, K, 1),
+        a view of it; the conv bias as ``bias`` (conv_dim,) and ``bias_c`` (conv_dim, 1, 1), or None; ``A``
+        (H, 1) = -exp(A_log); ``D`` (H, 1) and ``D_flat`` (d_inner,) = D repeated over each head's channels.
+        The key holds every source's storage pointer (a replaced tensor) and the version counters of those
+        whose values are copied (an in-place update: optimiser step, ``load_state_dict``), so a step pays
+        neither the copies nor the view operators. Parameters are read from ``_parameters`` / ``_modules``:
+        attribute access on a module costs a failed lookup first (about a microsecond), many times per step.
         """
-        conv, a_log, d = self.conv1d, self.A_log, self.D
-        w, bias = conv.weight, conv.bias
+        params = self._parameters
+        conv = self._modules["conv1d"]
+        a_log, d = params["A_log"], params["D"]
+        w, bias = conv._parameters["weight"], conv._parameters["bias"]
         try:
             key = (
                 w.data_ptr(),
@@ -190,6 +200,7 @@ class Mamba2Mixer(nn.Module):
                 a_log.data_ptr(),
                 a_log._version,
                 d.data_ptr(),
+                d._version,
                 bias is None or bias.data_ptr(),
             )
         except RuntimeError:  # inference-mode tensors have no version counter: derive them every time
@@ -197,12 +208,15 @@ class Mamba2Mixer(nn.Module):
         if key is None or key != self._derived_key:
             w = w.detach()
             c, h = self.conv_dim, self.num_heads
+            d = d.detach()
             self._derived_cache = (
                 w[:, 0].t().contiguous(),
                 w.reshape(c, -1, 1),
+                None if bias is None else bias.detach(),
                 None if bias is None else bias.detach().view(c, 1, 1),
                 -torch.exp(a_log.detach().float()).view(h, 1),
-                d.detach().view(h, 1),
+                d.view(h, 1),
+                d.repeat_interleave(self.head_dim),
             )
             self._derived_key = key
         return self._derived_cache
@@ -216,13 +230,14 @@ class Mamba2Mixer(nn.Module):
         contiguous float32, take :meth:`_step`.
         """
         b = hidden.shape[0]
-        proj = linear(self.in_proj, hidden)  # (b, d_inner + conv_dim + H)
+        modules = self._modules
+        proj = linear(modules["in_proj"], hidden)  # (b, d_inner + conv_dim + H)
         z, xbc, dt = proj.split_with_sizes([self.d_inner, self.conv_dim, self.num_heads], -1)
         ssm = cache.ssm
         if not (cache.owned and proj.dtype == ssm.dtype == torch.float32 and ssm.is_contiguous()):
             out, new = self._step(z[:, None], xbc[:, None], dt[:, None], cache, None)
             return residual + out[:, 0], new
-        taps_t, taps_c, bias_c, A, D = self._derived()
+        taps_t, taps_c, bias, bias_c, A, D, D_flat = self._derived()
         c = self.conv_dim
         if b == 1:
             # Channel-major window (1, conv_dim, K): the K-tap dot product of every channel, plus its bias,
@@ -238,28 +253,36 @@ class Mamba2Mixer(nn.Module):
             # channels (~3x faster at batch 16 than summing K contiguous values per channel).
             window = torch.cat([cache.conv.transpose(1, 2), xbc.unsqueeze(1)], dim=1)
             conv = (window * taps_t).sum(1)
-            if bias_c is not None:
-                conv = conv + bias_c.view(c)
+            if bias is not None:
+                conv += bias
             conv_state = window[:, 1:].transpose(1, 2)
         gn, h, p, g, n = self.n_groups * self.state_size, self.num_heads, self.head_dim, self.n_groups, self.state_size
-        x, B, C = F.silu(conv).split_with_sizes([self.d_inner, gn, gn], -1)
-        dt = F.softplus(dt + self.dt_bias).clamp_(self.dt_min, self.dt_max).view(b, h, 1)
-        x = x.view(b, h, p)
-        # SSM update in place (ssd_step_inplace's arithmetic): decay, then += dt * x (outer) B per group,
-        # the heads of a group stacked as the rows of one batched matmul; y = state @ C + D * x.
+        x, B, C = F.silu(conv, inplace=True).split_with_sizes([self.d_inner, gn, gn], -1)
+        dt = F.softplus(dt + self._parameters["dt_bias"]).clamp_(self.dt_min, self.dt_max).view(b, h, 1)
+        # SSM update in place (ssd_step_inplace's arithmetic): decay, then += dt * x (outer) B per group;
+        # y = state . C + D * x. The heads of a group are the rows of one (hpg * p, n) block per batch row.
         ssm.mul_(torch.exp(dt * A).unsqueeze(-1))
-        rows = ssm.view(b * g, (h // g) * p, n)
-        rows.baddbmm_((x * dt).view(b * g, -1, 1), B.reshape(b * g, 1, n))
-        y = torch.baddbmm((x * D).view(b * g, -1, 1), rows, C.reshape(b * g, n, 1))
+        xdt = x.view(b, h, p) * dt
+        if ssm.numel() >= _ELEMENTWISE_STATE:
+            # broadcast multiply-add and a last-dim dot product: batched (rows, n) x (n, 1) GEMVs of tiny
+            # matrices cost 2-3x more (measured at batch 16 and on 32 heads of 64 x 64 at batch 1)
+            rows = ssm.view(b, g, -1, n)
+            rows.addcmul_(xdt.view(b, g, -1, 1), B.view(b, g, 1, n))
+            y = torch.linalg.vecdot(rows, C.view(b, g, 1, n)).view(b, -1).addcmul_(x, D_flat)
+        else:
+            rows = ssm.view(b * g, -1, n)
+            rows.baddbmm_(xdt.view(b * g, -1, 1), B.reshape(b * g, 1, n))
+            y = torch.baddbmm(torch.mul(x, D_flat).view(b * g, -1, 1), rows, C.reshape(b * g, n, 1)).view(b, -1)
         # gated group norm (GatedGroupRMSNorm without the mask and dtype branches)
-        gated = F.silu(z).mul_(y.view(b, self.d_inner))
-        norm = self.norm
+        gated = F.silu(z).mul_(y)
+        norm = modules["norm"]
+        weight = norm._parameters["weight"]
         if g == 1:
-            gated = rms_norm_rows(gated, norm.weight, norm.eps)
+            gated = rms_norm_rows(gated, weight, norm.eps)
         else:
             size = norm.group_size
-            gated = norm.weight * F.rms_norm(gated.view(b, -1, size), (size,), None, norm.eps).view(b, self.d_inner)
-        return linear(self.out_proj, gated, residual), MambaCache(conv_state, ssm, owned=True)
+            gated = weight * F.rms_norm(gated.view(b, -1, size), (size,), None, norm.eps).view(b, -1)
+        return linear(modules["out_proj"], gated, residual), MambaCache(conv_state, ssm, owned=True)
 
     def _output(self, y: Tensor, z: Tensor, head_mask: Tensor | None) -> Tensor:
         """y: (b, l, H, P) -> gated group norm -> out_proj: (b, l, hidden)."""

@@ -34,4 +34,5 @@ class MLP(nn.Module):
         The activation is squared in place (it is a fresh tensor) and the residual is added by the down
         projection's GEMM.
         """
-        return linear(self.down_proj, F.relu(linear(self.up_proj, x)).square_(), residual)
+        modules = self._modules  # not self.up_proj: a module attribute costs a failed lookup first
+        return linear(modules["down_proj"], linear(modules["up_proj"], x).relu_().square_(), residual)

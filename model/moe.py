@@ -7,13 +7,14 @@ Routing, per token:
 3. The selected scores are renormalised to sum to 1 (``norm_topk_prob``) and multiplied
    by ``routed_scaling_factor``.
 Experts run on the tokens routed to them, by one of three equivalent paths chosen by
-how many (token, expert) assignments there are:
+how many (token, expert) assignments there are and how large the experts are
+(:func:`expert_path`):
 
-* fewer assignments than experts (``T * k < E``, e.g. a batch-1 decode step): a loop over
-  the selected experts only, each a pair of GEMVs on views of the stacked weights (no
-  sort, no scatter, and only the selected experts' bytes are read);
-* enough assignments that every expert is likely busy, and little arithmetic wasted: every
-  expert on every token, weighted by zero where unselected (far fewer ops);
+* fewer assignments than experts (``T * k < E``, e.g. a batch-1 decode step) of experts too
+  large to read in full: a loop over the selected experts only, each a pair of GEMVs on views
+  of the stacked weights (no sort, no scatter, and only the selected experts' bytes are read);
+* otherwise, with little arithmetic wasted: every expert on every token, weighted by zero
+  where unselected (far fewer ops);
 * otherwise assignments are sorted by expert and each expert processes one contiguous
   slice (a loop over experts, never over tokens).
 
@@ -23,6 +24,7 @@ A shared expert sees every token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,21 +39,31 @@ RoutingObserver = Callable[[Tensor, Tensor, Tensor], None]
 # Few tokens (decoding, short prompts): running every expert on every token is cheaper than grouping
 # tokens by expert, as long as the multiply-adds spent on unselected experts stay below this (~0.2 ms of
 # one CPU core). At hidden 128 with 8 experts of width 64, top-2, that is up to ~80 tokens; measured there
-# at 16 tokens 190 us dense vs 550 us grouped, equal near 128 tokens. The dense path is only taken when
-# there are at least as many assignments as experts (T * k >= E): below that it reads E / (T * k) times
-# the expert bytes the tokens need, which at batch 1 on a large model costs more than the ops it saves.
+# at 16 tokens 190 us dense vs 550 us grouped, equal near 128 tokens.
 _DENSE_MAX_WASTED_MACS = 1 << 22
 
+# Experts this small (E * F * H weights per projection, 256 KB in float32) cost less to read in full than
+# the host round trip and per-expert loop of the sparse path: at 2 tokens x top-2 of 8 experts of 64 x 128,
+# 181 us dense vs 559 us sparse. Larger experts with fewer assignments than experts take the sparse path,
+# which reads only the selected experts' bytes (at batch 1 on a large model that is what a step costs).
+_SMALL_EXPERTS = 1 << 16
 
-def use_sparse_path(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether ``tokens`` tokens with ``top_k`` experts each take the per-selected-expert loop."""
-    return tokens * top_k < num_experts
+ExpertPath = Literal["sparse", "dense", "grouped"]
 
 
-def use_dense_path(tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int) -> bool:
-    """Whether every expert should run on every token: enough assignments to touch every expert, and
-    at most :data:`_DENSE_MAX_WASTED_MACS` multiply-adds spent on unselected experts."""
-    return tokens * top_k >= num_experts and tokens * (num_experts - top_k) * ffn * hidden <= _DENSE_MAX_WASTED_MACS
+def expert_path(tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int) -> ExpertPath:
+    """How ``tokens`` tokens with ``top_k`` of ``num_experts`` experts of shape (ffn, hidden) are computed.
+
+    ``sparse``: fewer assignments than experts and experts too large to read in full (a loop over the
+    selected experts); ``dense``: every expert on every token, when that wastes at most
+    :data:`_DENSE_MAX_WASTED_MACS` multiply-adds; ``grouped``: tokens sorted by expert, one slice each.
+    """
+    small = num_experts * ffn * hidden <= _SMALL_EXPERTS
+    if tokens * top_k < num_experts and not small:
+        return "sparse"
+    if tokens * (num_experts - top_k) * ffn * hidden <= _DENSE_MAX_WASTED_MACS:
+        return "dense"
+    return "grouped"
 
 
 # F.grouped_mm has a CPU kernel from torch 2.9 (public name from 2.10); up to 2.10 it required 16-byte
@@ -125,9 +137,10 @@ class Experts(nn.Module):
         """x: (T, hidden); idx, weights: (T, k) -> (T, hidden) = sum_j w_j * expert_j(x)."""
         t, k = idx.shape
         e, f, h = self.up_proj.shape
-        if use_sparse_path(t, k, e):
+        path = expert_path(t, k, e, f, h)
+        if path == "sparse":
             return self._sparse(x, idx, weights, ffn_mask, observer)
-        if use_dense_path(t, k, e, f, h):
+        if path == "dense":
             return self._dense(x, idx, weights, ffn_mask, observer)
         return self._grouped(x, idx, weights, ffn_mask, observer)
 
@@ -218,24 +231,45 @@ class Experts(nn.Module):
     ) -> Tensor:
         """Every expert on every token, mixed with the routing weights (zero for unselected experts).
 
-        Same sum as :meth:`_grouped` (an unselected expert adds an exact 0) in ~8 large ops instead of
-        sort + bincount + gather + a loop over experts + scatter.
+        Same sum as :meth:`_grouped` (an unselected expert adds an exact 0) in a handful of large ops instead
+        of sort + bincount + gather + a loop over experts + scatter. The routing weights scale the (T, E, F)
+        activations before the down projection, so the down projection sums over experts by itself: one
+        GEMM over the (E * F) inputs when the stacked ``down_proj`` is stored inputs-major, else a batched
+        matmul and a sum.
         """
         t, k = idx.shape
-        up = self.up_proj
+        up, down = self.up_proj, self.down_proj
         e, f, h = up.shape
         if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
-            act = relu2(x @ up.view(e * f, h).t()).view(t, e, f).transpose(0, 1)
+            act = relu2(x @ up.view(e * f, h).t()).view(t, e, f)
         else:  # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
-            act = relu2(torch.matmul(x, up.transpose(1, 2)))  # (E, T, F)
+            act = relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
-        ys = torch.bmm(act, self.down_proj.transpose(1, 2))  # (E, T, hidden)
         if observer is not None:
+            ys = torch.bmm(act.transpose(0, 1), down.transpose(1, 2))  # (E, T, hidden): per-expert outputs
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
-        mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(ys.dtype)  # (T, E)
-        return (ys * mix.t().unsqueeze(-1)).sum(0)
+        mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
+        return self._mix_down(act, mix)
+
+    def _mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
+        """Scale every expert's activations by its routing weight and project down, summing over experts.
+
+        act: (T, E, F), any layout; mix: (T, E) routing weights (zero for unselected experts); residual:
+        (T, hidden) added by the GEMM when given. Returns (T, hidden). With ``down_proj`` stored
+        inputs-major the stacked (E * F, hidden) matrix is a view and this is one GEMM; else a batched
+        matmul and a sum over experts.
+        """
+        t, e, f = act.shape
+        act = act * mix.unsqueeze(-1)
+        down_t = self._parameters["down_proj"].transpose(1, 2)  # (E, F, hidden)
+        if down_t.is_contiguous():
+            flat = act.reshape(t, e * f)
+            down = down_t.view(e * f, -1)
+            return flat @ down if residual is None else torch.addmm(residual, flat, down)
+        out = torch.bmm(act.transpose(0, 1), down_t).sum(0)
+        return out if residual is None else out.add_(residual)
 
 
 class MoE(nn.Module):
@@ -261,19 +295,21 @@ class MoE(nn.Module):
         onto the shared expert's output, itself added onto the residual by its GEMM. Otherwise, or with
         grouped routing, an observer or non-float32 weights, this is :meth:`forward` plus the residual.
         """
-        gate, experts = self.gate, self.experts
+        modules = self._modules  # not self.gate etc.: module attributes cost a failed lookup first
+        gate, experts, shared = modules["gate"], modules["experts"], modules.get("shared_experts")
         k = gate.top_k
         if (
-            x.shape[0] != 1
-            or k >= gate.num_experts
+            k >= gate.num_experts
             or gate.n_group > 1
             or self.observer is not None
             or not isinstance(experts, Experts)  # e.g. quantized experts: their own forward
             or x.dtype != torch.float32
         ):
             return residual + self.forward(x)
-        scores = torch.sigmoid(F.linear(x, gate.weight))  # (1, E), float32
-        idx = torch.topk(scores + gate.e_score_correction_bias, k).indices
+        if x.shape[0] != 1:
+            return self._decode_rows(x, residual, gate, experts, shared)
+        scores = torch.sigmoid(F.linear(x, gate._parameters["weight"]))  # (1, E), float32
+        idx = torch.topk(scores + gate._buffers["e_score_correction_bias"], k).indices
         ids = idx.view(-1).tolist()
         w = scores.view(-1).tolist()
         w = [w[e] for e in ids]
@@ -281,11 +317,42 @@ class MoE(nn.Module):
             total = sum(w) + 1e-20
             w = [v / total for v in w]
         w = [v * gate.scaling for v in w]
-        out = residual if self.shared_experts is None else self.shared_experts.decode_step(x, residual)
+        out = residual if shared is None else shared.decode_step(x, residual)
+        params = experts._parameters
+        up, down = params["up_proj"], params["down_proj"]
         for e, we in zip(ids, w, strict=True):
-            y = experts._expert(x, e, None)
+            y = F.linear(F.linear(x, up[e]).relu_().square_(), down[e])  # Experts._expert without a mask
             out = out.add_(y, alpha=we) if out is not residual else torch.add(out, y, alpha=we)
         return out
+
+    def _decode_rows(
+        self, x: Tensor, residual: Tensor, gate: TopKRouter, experts: Experts, shared: MLP | None
+    ) -> Tensor:
+        """:meth:`decode_step` for several rows (T, hidden) -> (T, hidden).
+
+        On the dense expert path the routing weights are built directly as a (T, E) matrix (the selected
+        scores, renormalised and scaled; zero elsewhere) instead of gathered and scattered, and the shared
+        expert's output, itself on the residual, is added by the routed experts' down-projection GEMM.
+        Other paths: the general routing and experts, plus the shared expert on the residual.
+        """
+        up = experts._parameters["up_proj"]
+        e, f, h = up.shape
+        base = residual if shared is None else shared.decode_step(x, residual)
+        if expert_path(x.shape[0], gate.top_k, e, f, h) != "dense":
+            idx, w = gate(x)
+            return experts(x, idx, w).add_(base)
+        scores = torch.sigmoid(F.linear(x, gate._parameters["weight"]))  # (T, E)
+        idx = torch.topk(scores + gate._buffers["e_score_correction_bias"], gate.top_k, sorted=False).indices
+        mix = torch.zeros_like(scores).scatter_(1, idx, scores.gather(1, idx))  # selected scores, 0 elsewhere
+        if gate.norm_topk_prob:
+            mix = mix.div_(mix.sum(-1, keepdim=True).add_(1e-20))
+        if gate.scaling != 1.0:
+            mix = mix.mul_(gate.scaling)
+        if up.stride(0) == f * up.stride(1):  # (E*F, hidden) is a view
+            act = F.linear(x, up.view(e * f, h)).relu_().square_().view(-1, e, f)
+        else:
+            act = relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)
+        return experts._mix_down(act, mix, base)
 
     def forward(
         self,

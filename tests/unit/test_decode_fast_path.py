@@ -17,7 +17,7 @@ from model.elastic import Architecture
 from model.fastops import linear, rms_norm_rows
 from model.hybrid import HybridLM
 from model.masks import ModelMask, prefix_mask
-from model.moe import Experts, use_dense_path, use_sparse_path
+from model.moe import Experts, expert_path
 from tests.conftest import TINY
 
 ATOL = 1e-5
@@ -28,6 +28,7 @@ VARIANTS = {
     "no_conv_bias_mha": dict(use_conv_bias=False, num_key_value_heads=4, norm_topk_prob=False),
     "group_routing": dict(n_routed_experts=8, n_group=2, topk_group=1, residual_in_fp32=True),
     "top1_of_8": dict(n_routed_experts=8, num_experts_per_tok=1, pattern="ME*E"),
+    "no_shared_expert_large_state": dict(n_shared_experts=0, mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=32),
 }
 
 
@@ -222,7 +223,7 @@ def _routing(t: int, k: int, e: int, seed: int = 0) -> tuple[torch.Tensor, torch
 def test_sparse_expert_path_equals_dense_and_grouped(t):
     ex = _experts()
     k, e = 2, 8
-    assert use_sparse_path(t, k, e)
+    assert expert_path(t, k, e, 1024, 1024) == "sparse"
     x = torch.randn(t, 16)
     idx, w = _routing(t, k, e, seed=t)
     ffn = torch.rand(12)
@@ -241,11 +242,38 @@ def test_sparse_expert_path_equals_dense_and_grouped(t):
     assert w.grad is not None and ex.up_proj.grad is not None
 
 
-def test_dense_path_only_when_every_expert_is_busy():
-    assert use_sparse_path(1, 2, 8) and not use_dense_path(1, 2, 8, 64, 128)
-    assert use_dense_path(4, 2, 8, 64, 128)  # 8 assignments on 8 experts, little waste
-    assert not use_dense_path(16, 2, 8, 1024, 1024)  # too much arithmetic wasted: grouped
-    assert not use_sparse_path(16, 2, 8)
+def test_expert_path_choice():
+    # large experts: the sparse loop while assignments are fewer than experts, then dense, then grouped
+    assert expert_path(1, 2, 8, 1024, 1024) == "sparse"
+    assert expert_path(3, 2, 8, 1024, 1024) == "sparse"
+    assert expert_path(4, 2, 8, 64, 1024) == "dense"  # 8 assignments on 8 experts, little waste
+    assert expert_path(16, 2, 8, 1024, 1024) == "grouped"  # too much arithmetic wasted
+    # experts small enough to read in full: dense even for one token
+    assert expert_path(1, 2, 8, 64, 128) == "dense"
+    assert expert_path(2, 2, 8, 64, 128) == "dense"
+    assert expert_path(1, 2, 8, 64, 129) == "sparse"
+    assert expert_path(1024, 2, 8, 64, 128) == "grouped"
+
+
+@pytest.mark.parametrize("inputs_major", [False, True])
+@pytest.mark.parametrize("t", [1, 2, 16])
+def test_dense_expert_path_with_either_down_layout(inputs_major, t):
+    """The dense path's one-GEMM down projection (inputs-major ``down_proj``) and its batched one agree
+    with the grouped path, with and without an FFN mask and an observer."""
+    ex = _experts()
+    if inputs_major:
+        with torch.no_grad():
+            ex.down_proj.data = ex.down_proj.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    x = torch.randn(t, 16)
+    idx, w = _routing(t, 2, 8, seed=t)
+    ffn = torch.rand(12)
+    for mask in (None, ffn):
+        norms: list[torch.Tensor] = []
+        observe = lambda i, ww, n, norms=norms: norms.append(n)  # noqa: E731
+        ref = ex._grouped(x, idx, w, mask, observe)
+        for obs in (None, observe):
+            assert (ex._dense(x, idx, w, mask, obs) - ref).abs().max().item() <= ATOL
+        assert (norms[0] - norms[1]).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("t", [1, 3, 6, 40])
