@@ -44,13 +44,16 @@ class Attention(nn.Module):
             past = cache.length
             k, v = cache.append(k, v)
         gqa = self.num_heads != self.num_kv_heads
-        if past == 0:
+        padding = cache.attention_mask(past + seq) if cache is not None else None  # (b, 1, 1, past + seq)
+        if past == 0 and padding is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif seq == 1:
-            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        else:  # a chunk after a prefix: query i sees keys up to past + i
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=padding, enable_gqa=gqa)
+        else:  # a chunk after a prefix: query i sees keys up to past + i (and no padding slot)
             total = past + seq
             allowed = torch.ones(seq, total, dtype=torch.bool, device=q.device).tril(diagonal=past)
+            if padding is not None:
+                allowed = allowed & padding
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
         if head_mask is not None:
             out = out * head_mask.to(out.dtype)[None, :, None, None]
@@ -76,7 +79,10 @@ class Attention(nn.Module):
         cache.v.select(2, past).copy_(linear(modules["v_proj"], hidden).view(b, kv, d))
         cache.length = n = past + 1
         k, v = cache.k.narrow(2, 0, n), cache.v.narrow(2, 0, n)  # (b, kv, n, d) views of the cache
-        if _use_broadcast(q.numel() * n):
+        if cache.pad is not None:  # rows of different lengths: mask each row's leading padding slots
+            mask = cache.attention_mask(n)
+            out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, attn_mask=mask, enable_gqa=heads != kv)
+        elif _use_broadcast(q.numel() * n):
             out = _broadcast_attention(q.view(b * kv, heads // kv, d), k, v)
         else:
             out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, enable_gqa=heads != kv)

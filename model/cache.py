@@ -1,7 +1,11 @@
 """Decoding caches: a KV cache for attention layers, conv + SSM state for Mamba layers.
 
 The KV cache is preallocated and grows by doubling, so a decode step writes one
-slot instead of concatenating the whole history. A decode step also updates in place
+slot instead of concatenating the whole history. Rows of one batch may hold histories of
+different lengths: a row's keys are right-aligned in the buffer and its leading ``pad`` slots
+are never attended (:func:`concat_caches` builds such a batch from caches of different
+lengths; attention has no positional encoding, so where a key sits in the buffer does not
+change what it contributes). Mamba states are per row and need no padding. A decode step also updates in place
 the SSM states of the :class:`MambaCache` objects the model created itself
 (``owned=True``; no state-sized allocation per step). So a cache is consumed by the
 step it is passed to: :func:`clone_cache` first to keep or branch it. A
@@ -11,18 +15,38 @@ written; the step returns a new one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
 @dataclass
 class KVCache:
-    """Keys and values of one attention layer: (batch, kv_heads, capacity, head_dim); ``length`` used."""
+    """Keys and values of one attention layer: (batch, kv_heads, capacity, head_dim); ``length`` used.
+
+    ``pad`` (batch,) int64, or None for none: how many of a row's first ``length`` slots are padding
+    (the row's own history is the last ``length - pad`` slots); attention masks them out.
+    """
 
     k: Tensor
     v: Tensor
     length: int = 0
+    pad: Tensor | None = None
+
+    def attention_mask(self, n: int) -> Tensor | None:
+        """(batch, 1, 1, n) bool, True where a query may attend the first ``n`` slots; None without padding."""
+        if self.pad is None:
+            return None
+        slots = torch.arange(n, device=self.pad.device)
+        return (slots >= self.pad[:, None]).view(-1, 1, 1, n)
+
+    def row_lengths(self) -> list[int]:
+        """Tokens of history per row (``length`` minus the row's padding)."""
+        if self.pad is None:
+            return [self.length] * self.k.shape[0]
+        return [self.length - p for p in self.pad.tolist()]
 
     @classmethod
     def empty(cls, batch: int, kv_heads: int, head_dim: int, capacity: int, like: Tensor) -> KVCache:
@@ -73,12 +97,27 @@ class HybridCache:
     def __setitem__(self, index: int, value: KVCache | MambaCache | None) -> None:
         self.layers[index] = value
 
-    def select(self, rows: Tensor) -> HybridCache:
-        """A cache holding only batch rows ``rows`` (e.g. to drop finished sequences)."""
+    def select(self, rows: Tensor, trim: int = 0) -> HybridCache:
+        """A cache holding only batch rows ``rows`` (e.g. to drop finished sequences).
+
+        ``trim``: leading KV slots to drop from every row (padding all kept rows share, so at most the
+        smallest kept ``pad``); the rows' histories are unchanged.
+        """
         out: list[KVCache | MambaCache | None] = []
         for c in self.layers:
             if isinstance(c, KVCache):
-                out.append(KVCache(c.k[rows], c.v[rows], c.length))
+                pad = None
+                if c.pad is not None:
+                    pad = c.pad[rows] - trim
+                    if int(pad.min()) < 0:
+                        raise ValueError(f"select: trim {trim} cuts into a row's history (pads {c.pad[rows].tolist()})")
+                    pad = pad if bool(pad.any()) else None
+                elif trim:
+                    raise ValueError(f"select: trim {trim} on a cache without padding")
+                k, v = c.k[rows], c.v[rows]
+                if trim:
+                    k, v = k[:, :, trim:], v[:, :, trim:]
+                out.append(KVCache(k, v, c.length - trim, pad))
             elif isinstance(c, MambaCache):
                 out.append(MambaCache(c.conv[rows], c.ssm[rows], owned=True))  # indexing copies
             else:
@@ -107,7 +146,7 @@ def clone_cache(cache: HybridCache) -> HybridCache:
     out: list[KVCache | MambaCache | None] = []
     for c in cache.layers:
         if isinstance(c, KVCache):
-            out.append(KVCache(c.k.clone(), c.v.clone(), c.length))
+            out.append(KVCache(c.k.clone(), c.v.clone(), c.length, None if c.pad is None else c.pad.clone()))
         elif isinstance(c, MambaCache):
             out.append(MambaCache(c.conv.clone(), c.ssm.clone(), owned=True))
         else:
@@ -117,4 +156,47 @@ def clone_cache(cache: HybridCache) -> HybridCache:
     return new
 
 
-__all__ = ["KVCache", "MambaCache", "HybridCache", "empty_cache", "clone_cache"]
+def concat_caches(caches: Sequence[HybridCache]) -> HybridCache:
+    """One batch holding the rows of ``caches`` (in order), whose histories may differ in length.
+
+    Per attention layer the new fill length is the longest one; shorter histories are copied
+    right-aligned and the slots before them become padding (``KVCache.pad``). Every input keeps
+    its own tensors (they are copied). The caches must come from the same model (same layers).
+    """
+    if not caches:
+        raise ValueError("concat_caches: no cache given")
+    if len({len(c.layers) for c in caches}) != 1:
+        raise ValueError("concat_caches: the caches have different numbers of layers")
+    out: list[KVCache | MambaCache | None] = []
+    for i, per_layer in enumerate(zip(*(c.layers for c in caches), strict=True)):
+        kinds = {type(c) for c in per_layer}
+        if len(kinds) != 1:
+            raise ValueError(f"concat_caches: layer {i} holds {sorted(k.__name__ for k in kinds)} across caches")
+        first = per_layer[0]
+        if isinstance(first, KVCache):
+            fill = max(c.length for c in per_layer)
+            spare = max(c.k.shape[2] - c.length for c in per_layer)
+            rows = sum(c.k.shape[0] for c in per_layer)
+            shape = (rows, first.k.shape[1], max(fill + spare, 1), first.k.shape[3])
+            k, v = first.k.new_zeros(shape), first.v.new_zeros(shape)
+            pads, start = [], 0
+            for c in per_layer:
+                b, shift = c.k.shape[0], fill - c.length
+                k[start : start + b, :, shift:fill] = c.k[:, :, : c.length]
+                v[start : start + b, :, shift:fill] = c.v[:, :, : c.length]
+                own = c.pad if c.pad is not None else torch.zeros(b, dtype=torch.long, device=k.device)
+                pads.append(own + shift)
+                start += b
+            pad = torch.cat(pads)
+            out.append(KVCache(k, v, fill, pad if bool(pad.any()) else None))
+        elif isinstance(first, MambaCache):
+            conv = torch.cat([c.conv.transpose(1, 2) for c in per_layer]).transpose(1, 2)  # time-major, as made
+            out.append(MambaCache(conv, torch.cat([c.ssm for c in per_layer]), owned=True))
+        else:
+            out.append(None)
+    new = HybridCache(out)
+    new.seen_tokens = max(c.seen_tokens for c in caches)
+    return new
+
+
+__all__ = ["KVCache", "MambaCache", "HybridCache", "concat_caches", "empty_cache", "clone_cache"]

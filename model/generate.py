@@ -107,13 +107,20 @@ class RowState:
 
 
 def take_row(cache: HybridCache, row: int, length: int, kv: bool = True) -> RowState:
-    """Copy row ``row`` of a batched cache that has consumed ``length`` tokens (KV only if ``kv``)."""
+    """Copy row ``row`` of a batched cache; the row has consumed ``length`` tokens (KV only if ``kv``).
+
+    A row's keys are the last ``length`` filled slots of its KV buffers (the slots before them are
+    padding when the batch holds longer histories, see :func:`model.cache.concat_caches`).
+    """
     layers: list[KVCache | MambaCache | None] = []
     for c in cache.layers:
         if isinstance(c, KVCache) and kv:
-            layers.append(
-                KVCache(c.k[row : row + 1, :, :length].clone(), c.v[row : row + 1, :, :length].clone(), length)
-            )
+            start = c.length - length
+            if start < 0 or (c.pad is not None and start != int(c.pad[row])):
+                have = c.row_lengths()[row]
+                raise ValueError(f"take_row: row {row} holds {have} tokens of history, not {length}")
+            k = c.k[row : row + 1, :, start : c.length].clone()
+            layers.append(KVCache(k, c.v[row : row + 1, :, start : c.length].clone(), length))
         elif isinstance(c, MambaCache):
             layers.append(MambaCache(c.conv[row : row + 1].clone(), c.ssm[row : row + 1].clone()))
         else:

@@ -121,6 +121,12 @@ class ServingConfig(BaseModel):
 
     # ---- batching and backpressure
     batch_max_size: int = Field(16, ge=1, description="Most sequences decoded together in one batch (1: no batching).")
+    merge_running_batches: bool = Field(
+        True,
+        description="Let newly prefilled requests join a batch of the same budget that is already decoding "
+        "(continuous batching; shorter KV histories are left-padded and masked). False: a batch only ever "
+        "holds the requests it started with.",
+    )
     batch_wait_timeout_s: float = Field(
         0.01, ge=0, le=5, description="How long an idle replica waits for more requests before it starts a batch."
     )

@@ -10,12 +10,14 @@ Design choices:
 * One decode thread owns the models and every cache. Requests arrive from the event loop through a
   thread-safe inbox and leave as events posted back to the loop, so the loop (health checks,
   streaming) never waits on a matmul, and two decode steps never compete for the same cores.
-* Batching is at the step level. A *row* is one request in one phase (thinking or answering); rows
-  that start from the same cached length and feed the same number of tokens to the same budget
-  form a *group* (the rule of :mod:`model.generate`: no padding ever enters a Mamba state, and a KV
-  cache has one length per batch). The thread steps every active group once per iteration, so new
-  requests start while older ones are still decoding instead of waiting for a whole batch to end.
-  Groups never merge once started (their KV lengths differ). An idle engine waits up to
+* Batching is at the step level (continuous batching). A *row* is one request in one phase
+  (thinking or answering); rows that start from the same cached length and feed the same number of
+  tokens to the same budget are prefilled together as a *group* (the rule of :mod:`model.generate`:
+  no padding ever enters a Mamba state). Once prefilled, groups of one budget merge into one
+  decoding batch (up to ``batch_max_size`` rows): Mamba states are per row, and shorter KV histories
+  are left-padded and masked (:func:`model.cache.concat_caches`), so requests that arrive while
+  others are decoding join them at their next step. The thread steps every active group once per
+  iteration. When rows finish, the padding every remaining row shares is trimmed. An idle engine waits up to
   ``batch_wait_timeout_s`` for concurrent requests before it starts a batch, but only while traffic
   is concurrent (two or more requests in flight within the last second): a lone client never pays
   the wait. ``batch_max_size`` bounds a group. Sampling, stops and limits are per row, so requests
@@ -54,6 +56,7 @@ from components.data.tokenizer import CharTokenizer
 from components.serving.config import ServingConfig
 from model import generate as gen  # the primitives of model.generate's batched loop
 from model.budget_view import BudgetRegistry
+from model.cache import concat_caches
 from model.elastic.arch import Architecture
 from model.phases import PhaseTokens
 from model.phases import _kept as kept_thinking  # the cut rule of think_then_answer, shared on purpose
@@ -227,8 +230,24 @@ class Group:
         states = [r.start.state for r in rows]
         cache = gen.stack_rows(states) if states[0] is not None else None
         self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
+        self.pads = [0] * len(rows)  # per row: KV slots before its history (self.length - tokens it consumed)
+        self.steps = 0  # decode steps taken
         res = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
         self.cache, self.logits = res.cache, res.logits[:, -1]
+
+    def row_length(self, j: int) -> int:
+        """Tokens row ``j`` has consumed."""
+        return self.length - self.pads[j]
+
+    def absorb(self, other: Group) -> None:
+        """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded."""
+        length = max(self.length, other.length)
+        self.cache = concat_caches([self.cache, other.cache])
+        self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
+        self.rows = self.rows + other.rows
+        self.logits = torch.cat([self.logits, other.logits])
+        self.length = length
+        other.rows = []
 
     def step(self) -> tuple[list[Row], list[Row]]:
         """Sample one token for every row; returns (rows that got a token, rows that finished)."""
@@ -248,20 +267,25 @@ class Group:
                 keep.append(j)
                 continue
             if row.keep_state:  # the last token is not fed: the state holds everything before it
-                row.state = gen.take_row(self.cache, j, self.length)
+                row.state = gen.take_row(self.cache, j, self.row_length(j))
             finished.append(row)
         if len(keep) < len(rows):
             self.rows = [rows[j] for j in keep]
             if keep:
-                self.cache = self.cache.select(torch.tensor(keep, device=self.device))
+                pads = [self.pads[j] for j in keep]
+                trim = min(pads)  # padding every remaining row has: drop it
+                self.cache = self.cache.select(torch.tensor(keep, device=self.device), trim=trim)
+                self.pads = [p - trim for p in pads]
+                self.length -= trim
         if self.rows:
             nxt = [r.tokens[-1] for r in self.rows]
             res = self.model(torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None], cache=self.cache)
             self.cache, self.logits = res.cache, res.logits[:, -1]
             self.length += 1
+            self.steps += 1
             for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
                 if row.keep_state and tok in self.snapshot_ids:
-                    row.snapshot = gen.take_row(self.cache, j, self.length, kv=False)
+                    row.snapshot = gen.take_row(self.cache, j, self.row_length(j), kv=False)
         return stepped, finished
 
 
@@ -356,9 +380,36 @@ class Engine:
             while len(self._pending) < self.config.batch_max_size and time.perf_counter() < deadline:
                 self._wait(deadline - time.perf_counter())
         self._form_groups()
+        if self.config.merge_running_batches:
+            self._merge_groups()
         for group in self._groups:
             self._step(group)
         self._groups = [g for g in self._groups if g.rows]
+
+    def _merge_groups(self) -> None:
+        """Merge groups of one budget into as few batches of at most ``batch_max_size`` rows as fit.
+
+        Every group is about to sample here (prefilled, or stepped last iteration). Largest first, each
+        group joins the first batch with room for it.
+        """
+        size = self.config.batch_max_size
+        merged: list[Group] = []
+        for group in sorted(self._groups, key=lambda g: -len(g.rows)):
+            target = next((t for t in merged if t.model is group.model and len(t.rows) + len(group.rows) <= size), None)
+            if target is None:
+                merged.append(group)
+                continue
+            try:
+                target.absorb(group)
+            except Exception as err:  # a failed merge fails the joining requests, not the batch
+                self._fail(group.rows, err)
+                group.rows = []
+                continue
+            self.stats["merged_groups"] += 1
+            if target.steps:  # joined a batch that was already decoding
+                self.stats["joined_running_batches"] += 1
+            self.stats["max_batch_size"] = max(self.stats["max_batch_size"], len(target.rows))
+        self._groups = merged
 
     def _form_groups(self) -> None:
         by_key: dict[tuple[str, int, int], list[Row]] = defaultdict(list)

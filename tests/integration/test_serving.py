@@ -325,7 +325,58 @@ def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
                         assert res.reasoning_tokens == ref.think_generated
                         assert "".join(d for k, d in deltas if k == "reasoning") == res.reasoning
                         assert "".join(d for k, d in deltas if k == "content") == res.content
-        assert engine.snapshot_stats()["max_batch_size"] >= 2  # the two same-length prompts shared batches
+        stats = engine.snapshot_stats()
+        assert stats["max_batch_size"] >= 3  # prompts of two lengths decoded in one batch
+        assert stats["merged_groups"] >= 1
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, merge):
+    """A request arriving while another decodes joins its batch at the next step (a shorter KV history,
+    left-padded) and still gets exactly what it gets alone; with merging off it decodes in its own batch."""
+    from components.serving.config import ServingConfig
+    from components.serving.engine import Engine, Job, LoadedModel
+    from model.generate import SamplingParams
+    from model.phases import think_then_answer
+
+    cfg = ServingConfig(api_key_env=None, think_limit=48, merge_running_batches=merge)
+    loaded = LoadedModel.load(tiny_nested_checkpoint, cfg)
+    engine = Engine(loaded, cfg).start()
+    tok = loaded.tokenizer
+    first = tok.encode("<bos>Q:1+2*3-4*5+6\n<think>")
+    later = [tok.encode(p) for p in ("<bos>Q:4-2\n<think>", "<bos>Q:7*7+1\n<think>")]
+
+    async def serve() -> list:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(first, "medium", "medium", None, 96, SamplingParams(), (), True, loop)]
+        engine.submit(jobs[0])
+        event = await jobs[0].events.get()  # the first request is decoding: it has streamed its thinking
+        assert event[0] == "reasoning", event
+        for p in later:
+            jobs.append(Job(p, "medium", "medium", None, 24, SamplingParams(), (), False, loop))
+            engine.submit(jobs[-1])
+        out = []
+        for job in jobs:
+            while (event := await job.events.get())[0] not in ("done", "error"):
+                pass
+            assert event[0] == "done", event
+            out.append(event[1])
+        return out
+
+    try:
+        got = asyncio.run(serve())
+        model = loaded.registry.get("medium")
+        for p, limit, res in zip([first, *later], [96, 24, 24], got, strict=True):
+            ref = think_then_answer(model, model, loaded.tokens, [p], None, limit, SamplingParams(), think_limit=48)[0]
+            ans = ref.answer_tokens[:-1] if ref.answer_stop == "stop_id" else ref.answer_tokens
+            assert (res.reasoning, res.content) == (ref.think_text, tok.decode(ans))
+        stats = engine.snapshot_stats()
+        if merge:  # the later requests joined the first one's batch while it was decoding
+            assert stats["joined_running_batches"] >= 1 and stats["max_batch_size"] == 3
+        else:
+            assert stats.get("merged_groups", 0) == 0 and stats["max_batch_size"] == 1
     finally:
         engine.stop()
 
