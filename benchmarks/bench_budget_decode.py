@@ -14,7 +14,8 @@ weights, three budgets each) and each budget, at batch 1:
 * ``floor``: the physical floor of a batch-1 step, the bytes of weights one token must read (active
   parameters minus the embedding table, of which one row is read, times the dtype size) over the
   measured memory read bandwidth. Target: step time within 1.5x of it.
-* Bandwidth: ``sum`` over a tensor much larger than the caches (a pure read), and ``clone`` (read +
+* Bandwidth: two pure reads of a 512 MB tensor, far larger than the caches (``sum``, and a GEMV of one
+  row against it viewed as an inputs-major matrix; the floor uses the faster), and ``clone`` (read +
   write, both bytes counted), with the same thread count; best of 9, measured before and after.
 * ``lm_head layouts``: the largest single GEMV of a step, for each budget's hidden size, as a column
   view of the row-major (vocab, hidden) matrix against a row prefix of the same matrix stored transposed
@@ -70,11 +71,20 @@ LARGE_BUDGETS = {
 
 
 def bandwidth(threads: int, mbytes: int = 512) -> dict[str, float]:
-    """GB/s of a pure read (``sum``) and of a copy (``clone``: read + write counted), best of 9 runs."""
+    """GB/s of two pure reads, ``sum`` over a vector and a GEMV (one row times a matrix stored inputs-major,
+    the layout the budget views use), and of a copy (``clone``: read + write counted), best of 9 runs each.
+
+    ``read_gbs``, the floor's bandwidth, is the faster of the two reads: whichever kernel streams memory
+    faster shows what the machine can read, and a GEMV is what a decode step mostly is.
+    """
     x = torch.rand(mbytes * 2**20 // 4)
-    read = time_call(lambda: x.sum(), warmup=2, repeats=9).min_s
-    copy = time_call(lambda: x.clone(), warmup=2, repeats=9).min_s
-    return {"read_gbs": x.nbytes / read / 1e9, "copy_gbs": 2 * x.nbytes / copy / 1e9, "threads": threads}
+    read_sum = x.nbytes / time_call(lambda: x.sum(), warmup=2, repeats=9).min_s / 1e9
+    copy = 2 * x.nbytes / time_call(lambda: x.clone(), warmup=2, repeats=9).min_s / 1e9
+    w = x.view(-1, 8192)  # (in, out): the same 512 MB read as a matrix
+    v = torch.rand(1, w.shape[0])
+    read_gemv = w.nbytes / time_call(lambda: v @ w, warmup=2, repeats=9).min_s / 1e9
+    return {"read_gbs": max(read_sum, read_gemv), "read_sum_gbs": read_sum, "read_gemv_gbs": read_gemv,
+            "copy_gbs": copy, "threads": threads}  # fmt: skip
 
 
 def step_time(model: torch.nn.Module, prompt: int, steps: int, vocab: int) -> Timing:
@@ -178,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     load = os.getloadavg()
     bw = bandwidth(args.threads)
-    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s, "
-          f"copy {bw['copy_gbs']:.1f} GB/s ({args.threads} threads)")  # fmt: skip
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s "
+          f"(sum {bw['read_sum_gbs']:.1f}, GEMV {bw['read_gemv_gbs']:.1f}), copy {bw['copy_gbs']:.1f} GB/s "
+          f"({args.threads} threads)")  # fmt: skip
     rows = bench_model("demo", DEMO, DEMO_BUDGETS, bw["read_gbs"], args)
     if not args.skip_large:
         rows += bench_model("large", LARGE, LARGE_BUDGETS, bw["read_gbs"], args)
@@ -202,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     bw_end = bandwidth(args.threads)
-    print(f"bandwidth at the end: read {bw_end['read_gbs']:.1f} GB/s; load average {os.getloadavg()[0]:.2f}")
+    print(f"bandwidth at the end: read {bw_end['read_gbs']:.1f} GB/s (sum {bw_end['read_sum_gbs']:.1f}, GEMV "
+          f"{bw_end['read_gemv_gbs']:.1f}); load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     prof = {}
     if args.profile:
         targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]

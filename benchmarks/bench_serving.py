@@ -2,11 +2,14 @@
 
 Throughput (``--part throughput``): the Serve app on a local Ray over a random-weight nested checkpoint
 of the demo parent's shape (three budgets), HTTP on loopback. ``C`` concurrent clients (1, 4, 16)
-each send ``--requests`` chat requests in a row (greedy; prompts of one length, so concurrent rows
-can share a batch; fixed thinking cap and answer length). Reported: generated tokens/s (thinking +
-answer, as counted in ``usage``), requests/s and median latency, for ``batch_max_size`` 16
-(batching) and 1 (every request decoded alone, interleaved step by step). Both configurations run
-side by side (two apps, one replica each) and rounds alternate between them, keeping each one's
+each send ``--requests`` chat requests in a row (greedy; fixed thinking cap and answer length), with
+prompts of one length (``--prompts same``) or of several lengths (``mixed``). Reported: generated
+tokens/s (thinking + answer, as counted in ``usage``), requests/s and median latency, for three
+configurations: ``continuous`` (``batch_max_size`` 16; requests join batches that are already decoding,
+shorter KV histories left-padded), ``static`` (``batch_max_size`` 16, ``merge_running_batches`` off: a
+batch holds only the requests it started with, of one prompt length) and ``no batching``
+(``batch_max_size`` 1: every request decoded alone, interleaved step by step). The configurations run
+side by side (one app and one replica each) and rounds alternate between them, keeping each one's
 best round, so that load from other processes does not favour whichever ran first.
 
 Memory (``--part memory``): in a fresh process per case, the serving state (engine and budget views,
@@ -38,7 +41,12 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.bench_budget_decode import DEMO, DEMO_BUDGETS, LARGE, LARGE_BUDGETS  # noqa: E402
 from benchmarks.common import format_table, save_json  # noqa: E402
 
-PROBLEMS = ["1+2*3", "4-1*2", "5*5+1", "9-3+3", "2*2*2", "7+0-4", "3*3-1", "8+1+1"]
+PROBLEMS = {
+    "same": ["1+2*3", "4-1*2", "5*5+1", "9-3+3", "2*2*2", "7+0-4", "3*3-1", "8+1+1"],
+    "mixed": ["1+2", "4-1*2", "5*5+1-3", "9", "2*2*2+7*1", "7+0", "3*3-1*2+4", "8+1+1"],
+}
+MODES = {"continuous": (16, True), "static": (16, False), "no batching": (1, False)}
+"""Configuration -> (batch_max_size, merge_running_batches)."""
 
 
 def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
@@ -74,11 +82,12 @@ async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]
     import httpx
 
     out = []
+    problems = PROBLEMS[args.prompts]
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for i in range(n):
             body = {"model": args.model, "temperature": 0, "max_tokens": args.max_tokens,
                     "reasoning_budget": args.think, "messages": [
-                        {"role": "user", "content": PROBLEMS[(offset + i) % len(PROBLEMS)]}]}  # fmt: skip
+                        {"role": "user", "content": problems[(offset + i) % len(problems)]}]}  # fmt: skip
             t0 = time.perf_counter()
             r = await client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
@@ -104,15 +113,17 @@ def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
     from components.serving.app import build_app
     from tests.conftest import free_port
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # one replica per configuration, each reserving one logical CPU; only one configuration is busy at a time
+    ray.init(num_cpus=max(2, len(MODES)), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    modes = {"batching": 16, "no batching": 1}
+    modes = MODES
     urls = {m: f"http://127.0.0.1:{port}/{m.replace(' ', '-')}" for m in modes}
     best: dict[tuple[str, int], dict[str, Any]] = {}
     try:
-        for mode, size in modes.items():
+        for mode, (size, merge) in modes.items():
             cfg = {"api_key_env": None, "batch_max_size": size, "batch_wait_timeout_s": 0.01,
+                   "merge_running_batches": merge,
                    "max_ongoing_requests": 32, "max_queued_requests": 64, "torch_threads": args.threads,
                    "autoscaling": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 16}}  # fmt: skip
             app = build_app({"model_uri": str(ckpt), "config": cfg})
@@ -130,9 +141,10 @@ def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
                     if key not in best or row["tokens_s"] > best[key]["tokens_s"]:
                         best[key] = {**row, "mode": mode}
         for mode in modes:
-            seen = httpx.get(f"{urls[mode]}/stats", timeout=30).json()["engine"]["max_batch_size"]
+            engine = httpx.get(f"{urls[mode]}/stats", timeout=30).json()["engine"]
             for clients in args.clients:
-                best[(mode, clients)]["max_batch_size_seen"] = seen
+                best[(mode, clients)]["max_batch_size_seen"] = engine["max_batch_size"]
+                best[(mode, clients)]["joined_running_batches"] = engine.get("joined_running_batches", 0)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=4, help="requests per client")
     p.add_argument("--model", default="full", help="budget the clients ask for")
+    p.add_argument("--prompts", choices=sorted(PROBLEMS), default="mixed", help="prompts of one length or several")
     p.add_argument("--think", type=int, default=24, help="reasoning_budget of every request")
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (answer) of every request")
     p.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
@@ -209,10 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("throughput", "all"):
             rows = throughput(demo, args)
             result["throughput"] = rows
+            print(f"prompts: {args.prompts} ({', '.join(PROBLEMS[args.prompts])})")
             print(format_table(
-                ["mode", "clients", "requests", "tokens/s", "requests/s", "p50 latency s", "max batch (any round)"],
+                ["mode", "clients", "requests", "tokens/s", "requests/s", "p50 latency s", "max batch (any round)",
+                 "joins of running batches"],
                 [[r["mode"], r["clients"], r["requests"], r["tokens_s"], r["requests_s"], r["p50_latency_s"],
-                  r["max_batch_size_seen"]] for r in rows],
+                  r["max_batch_size_seen"], r["joined_running_batches"]] for r in rows],
             ))  # fmt: skip
         if args.part in ("memory", "all"):
             large = build_checkpoint(Path(tmp) / "large", LARGE, LARGE_BUDGETS, vocab_from_tokenizer=False)

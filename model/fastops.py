@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
+from model.split_linear import ColSplitLinear, RowSplitLinear
+
 _EPS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
 
@@ -54,13 +56,19 @@ def _ones_column(x: Tensor) -> Tensor:
     return t
 
 
+def _hooked(module: nn.Module) -> bool:
+    """Whether a forward hook watches ``module`` (then it must be called, not its ``forward``)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or _module._global_forward_hooks
+        or _module._global_forward_pre_hooks
+    )
+
+
 def _plain(module: nn.Module) -> bool:
     """A plain :class:`~torch.nn.Linear` that no hook watches (so calling ``forward`` directly is safe)."""
-    return (
-        type(module) is nn.Linear
-        and not (module._forward_hooks or module._forward_pre_hooks)
-        and not (_module._global_forward_hooks or _module._global_forward_pre_hooks)
-    )
+    return type(module) is nn.Linear and not _hooked(module)
 
 
 def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -80,7 +88,12 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
             # output, so the residual is added by the GEMM itself, with one call and no transposed view
             return F.linear(x, weight, residual)
         return F.linear(x, weight, bias).add_(residual)
-    out = module(x)
+    if type(module) is ColSplitLinear and not _hooked(module):
+        return module.forward(x, residual)  # the residual is the first GEMM's addend
+    if type(module) is RowSplitLinear and not _hooked(module):
+        out = module.forward(x)
+    else:
+        out = module(x)
     return out if residual is None else out + residual
 
 

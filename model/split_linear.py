@@ -82,21 +82,30 @@ class RowSplitLinear(nn.Module):
         self.biases = nn.ParameterList([nn.Parameter(b, requires_grad=False) for b in biases]) if biases else None
         self.in_features = weights[0].shape[-1]
         self.out_features = sum(w[..., 0].numel() for w in weights)
+        # What forward reads, as plain lists: iterating a ParameterList costs a module attribute lookup per
+        # item. Per block: the weight as F.linear takes it (2-D) or transposed for matmul (3-D: (count, in,
+        # rows)), and the bias shaped for the block's output, or None. The tensors are views of the weights.
+        self._blocks = [
+            (w if w.dim() == 2 else w.transpose(1, 2), None if b is None else (b if w.dim() == 2 else b.unsqueeze(1)))
+            for w, b in zip(weights, biases if biases else [None] * len(weights), strict=True)
+        ]
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        biases = self.biases if self.biases is not None else [None] * len(self.weights)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
         outs = []
-        for w, b in zip(self.weights, biases, strict=True):
+        for w, b in self._blocks:
             if w.dim() == 2:
                 outs.append(F.linear(x2, w, b))
                 continue
-            y = torch.matmul(x2, w.transpose(1, 2))  # (count, rows, n)
+            y = torch.bmm(x2.expand(w.shape[0], rows, -1), w)  # (count, rows of x, n)
             if b is not None:
-                y = y + b.unsqueeze(1)
-            outs.append(y.transpose(0, 1).reshape(x2.shape[0], -1))
-        return torch.cat(outs, dim=-1).view(*lead, -1)
+                y = y + b
+            # one row: (count, 1, n) is already the memory of (1, count * n)
+            outs.append(y.view(1, -1) if rows == 1 else y.transpose(0, 1).reshape(rows, -1))
+        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return out if x.dim() == 2 else out.view(*lead, -1)
 
 
 class ColSplitLinear(nn.Module):
@@ -113,19 +122,34 @@ class ColSplitLinear(nn.Module):
         self.sizes = [w.shape[-1] * (w.shape[0] if w.dim() == 3 else 1) for w in weights]
         self.in_features = sum(self.sizes)
         self.out_features = weights[0].shape[-2]
+        # plain list of (weight as F.linear takes it, or transposed for addbmm: (count, cols, out)) views, as
+        # RowSplitLinear keeps its blocks
+        self._blocks = [w if w.dim() == 2 else w.transpose(1, 2) for w in weights]
 
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor | None = None
-        for p, w in zip(x.split(self.sizes, dim=-1), self.weights, strict=True):
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """x: (..., in) -> (..., out); plus ``residual`` (same shape as the output) when given.
+
+        A strided 3-D block is one ``addbmm`` (the sum over its column runs of ``x_run @ W_run^T``, added
+        onto what came before), the bias and the residual are the first block's addend.
+        """
+        lead = x.shape[:-1]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        rows = x2.shape[0]
+        base = residual if residual is None or x.dim() == 2 else residual.reshape(rows, -1)
+        if self.bias is not None:
+            base = self.bias.expand(rows, -1) if base is None else base + self.bias
+        out = base
+        pieces = x2.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (x2,)
+        for p, w in zip(pieces, self._blocks, strict=True):
             if w.dim() == 2:
-                y = F.linear(p, w)
-            else:
-                count, rows, n = w.shape
-                parts = p.reshape(-1, count, n).transpose(0, 1)  # (count, rows of x, n)
-                y = torch.bmm(parts, w.transpose(1, 2)).sum(0).view(*p.shape[:-1], rows)
-            out = y if out is None else out + y
+                out = F.linear(p, w, out)  # out (bias, residual, earlier blocks) is the GEMM's addend
+                continue
+            count, n, _ = w.shape
+            # (count, rows of x, n): one row is already that memory; more rows are a strided view
+            parts = p.view(count, 1, n) if rows == 1 else p.reshape(rows, count, n).transpose(0, 1)
+            out = torch.bmm(parts, w).sum(0) if out is None else torch.addbmm(out, parts, w)
         assert out is not None
-        return out if self.bias is None else out + self.bias
+        return out if x.dim() == 2 else out.view(*lead, -1)
 
 
 def row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:

@@ -356,6 +356,15 @@ def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
     got = col_linear(lin_t, rows, 16)(xs)
     want = torch.nn.functional.linear(xs, lin_t.weight[:16][:, rows], lin_t.bias[:16] if bias else None)
     assert (got - want).abs().max().item() <= ATOL
+    # the decode path's 2-D inputs (one row and several), with the residual added by the split GEMMs
+    with torch.no_grad():
+        for n in (1, 3):
+            x2, res = torch.randn(n, 16), torch.randn(n, 16)
+            want = torch.nn.functional.linear(x2, lin.weight[rows, :16], lin.bias[rows] if bias else None)
+            assert (linear(row_linear(lin, rows, 16), x2) - want).abs().max().item() <= ATOL
+            xc = torch.randn(n, rows.numel())
+            want = torch.nn.functional.linear(xc, lin_t.weight[:16][:, rows], lin_t.bias[:16] if bias else None) + res
+            assert (linear(col_linear(lin_t, rows, 16), xc, res) - want).abs().max().item() <= ATOL
 
 
 @pytest.mark.parametrize("grouped", [False, True])
