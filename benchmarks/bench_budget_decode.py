@@ -21,6 +21,9 @@ weights, three budgets each) and each budget, at batch 1:
   view of the row-major (vocab, hidden) matrix against a row prefix of the same matrix stored transposed
   (what a view model computes: :func:`~model.budget_view.budget_model` stores the parent inputs-major).
 
+``--gemv`` also times one-row GEMVs on weights cycled from memory (no cache hits), by block size, as a
+strided view of a larger matrix against the same block contiguous (:func:`cold_gemv`).
+
 ``--profile`` prints the top operators of the decode step of the demo parent and of the large
 model's full and smallest budgets (what dominates when a step is far from its floor).
 
@@ -118,6 +121,32 @@ def lm_head_layouts(fields: dict, budgets: dict[str, Architecture], repeats: int
     return rows
 
 
+def cold_gemv(repeats: int = 60) -> list[dict[str, Any]]:
+    """GB/s of one-row GEMVs on weights not in any cache, by matrix size and layout.
+
+    A pool of matrices much larger than the last-level cache is cycled, so each call reads its weights
+    from memory, as a decode step does. Per case: the budget's ``[:r, :c]`` block of an (R, C) matrix as
+    a strided view (what a view model reads), the same block contiguous, and the bytes counted are the
+    block's. The 25% quantile of the calls is reported (other processes only add time).
+    """
+    rows = []
+    for big_r, big_c, r, c in [(1024, 1024, 768, 768), (1024, 1024, 512, 512), (2048, 1024, 1536, 768),
+                               (512, 512, 512, 512), (4096, 4096, 4096, 4096)]:  # fmt: skip
+        count = max(4, int(512e6 / (big_r * big_c * 4)))
+        pool = [torch.randn(big_r, big_c) for _ in range(count)]
+        blocks = [m[:r, :c].contiguous() for m in pool]
+        x = torch.randn(1, r)
+        out = {"matrix": f"{big_r}x{big_c}", "block": f"{r}x{c}", "block_mb": r * c * 4 / 2**20}
+        for name, mats in (("strided_gbs", [m[:r, :c] for m in pool]), ("contiguous_gbs", blocks)):
+            it = iter(range(10**9))
+            t = time_call(lambda m=mats, i=it, v=x, n=count: v @ m[next(i) % n], warmup=count, repeats=repeats)
+            q25 = sorted(t.samples)[len(t.samples) // 4]
+            out[name] = r * c * 4 / q25 / 1e9
+        rows.append(out)
+        del pool, blocks
+    return rows
+
+
 def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -> int:
     """Bytes of weights one token reads: active parameters, with one embedding row instead of the table."""
     active = count_params(config, arch).active
@@ -182,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed decode steps per budget (median reported)")
     p.add_argument("--skip-large", action="store_true", help="only the demo-sized model")
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
+    p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
     set_threads(args.threads)
@@ -215,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     bw_end = bandwidth(args.threads)
     print(f"bandwidth at the end: read {bw_end['read_gbs']:.1f} GB/s (sum {bw_end['read_sum_gbs']:.1f}, GEMV "
           f"{bw_end['read_gemv_gbs']:.1f}); load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    gemv = cold_gemv() if args.gemv else []
+    if gemv:
+        print(format_table(
+            ["matrix", "block", "block MB", "strided view GB/s", "contiguous GB/s"],
+            [[g["matrix"], g["block"], g["block_mb"], g["strided_gbs"], g["contiguous_gbs"]] for g in gemv],
+        ))  # fmt: skip
     prof = {}
     if args.profile:
         targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]
@@ -226,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
                               "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
-                              "profile": prof})  # fmt: skip
+                              "cold_gemv": gemv, "profile": prof})  # fmt: skip
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SCRIPTS = [
     "bench_model.py",
+    "bench_decode_instructions.py",  # needs valgrind (Debian package); exits 2 with a message without it
     "bench_elastic_step.py",
     "bench_budget_decode.py",
     "bench_quant_decode.py",
