@@ -16,9 +16,10 @@ Design choices:
   no padding ever enters a Mamba state). Once prefilled, groups of one budget merge into one
   decoding batch (up to ``batch_max_size`` rows): Mamba states are per row, and shorter KV histories
   are left-padded and masked (:func:`model.cache.concat_caches`), so requests that arrive while
-  others are decoding join them at their next step. The thread steps every active group once per
-  iteration. When rows finish, the padding every remaining row shares is trimmed. An idle engine waits up to
-  ``batch_wait_timeout_s`` for concurrent requests before it starts a batch, but only while traffic
+  others are decoding join them at their next step (``merge_running_batches``). The thread steps
+  every active group once per iteration; when rows finish, the padding every remaining row shares
+  is trimmed. An idle engine waits up to ``batch_wait_timeout_s`` for concurrent requests before it
+  starts a batch, but only while traffic
   is concurrent (two or more requests in flight within the last second): a lone client never pays
   the wait. ``batch_max_size`` bounds a group. Sampling, stops and limits are per row, so requests
   with different parameters still share a batch.
