@@ -147,10 +147,11 @@ class Experts(nn.Module):
     def _expert(self, x: Tensor, e: int, ffn_mask: Tensor | None) -> Tensor:
         """Expert ``e`` on x: (n, hidden) -> (n, hidden). ``up_proj[e]`` / ``down_proj[e]`` are views (no copy,
         also for strided budget views of a wider parent)."""
-        act = relu2(F.linear(x, self.up_proj[e]))
+        params = self._parameters  # not self.up_proj: a module attribute costs a failed lookup first
+        act = relu2(F.linear(x, params["up_proj"][e]))
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
-        return F.linear(act, self.down_proj[e])
+        return F.linear(act, params["down_proj"][e])
 
     def _sparse(
         self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
@@ -318,10 +319,8 @@ class MoE(nn.Module):
             w = [v / total for v in w]
         w = [v * gate.scaling for v in w]
         out = residual if shared is None else shared.decode_step(x, residual)
-        params = experts._parameters
-        up, down = params["up_proj"], params["down_proj"]
         for e, we in zip(ids, w, strict=True):
-            y = F.linear(F.linear(x, up[e]).relu_().square_(), down[e])  # Experts._expert without a mask
+            y = experts._expert(x, e, None)
             out = out.add_(y, alpha=we) if out is not residual else torch.add(out, y, alpha=we)
         return out
 
