@@ -178,12 +178,12 @@ class Mamba2Mixer(nn.Module):
         out = self._output(y.unsqueeze(1).to(z.dtype), z, head_mask)
         return out, MambaCache(window[:, 1:].transpose(1, 2), ssm, owned=True)
 
-    def _derived(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor, Tensor]:
+    def _derived(self) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor, Tensor]:
         """Tensors a decode step derives from the weights, rebuilt only when a weight changes.
 
         Returns ``taps_t`` (K, conv_dim), the conv weight time-major and contiguous; ``taps_c`` (conv_dim, K, 1),
         a view of it; the conv bias as ``bias`` (conv_dim,) and ``bias_c`` (conv_dim, 1, 1), or None; ``A``
-        (H, 1) = -exp(A_log); ``D`` (H, 1) and ``D_flat`` (d_inner,) = D repeated over each head's channels.
+        (H, 1) = -exp(A_log); ``D_flat`` (d_inner,) = D repeated over each head's channels.
         The key holds every source's storage pointer (a replaced tensor) and the version counters of those
         whose values are copied (an in-place update: optimiser step, ``load_state_dict``), so a step pays
         neither the copies nor the view operators. Parameters are read from ``_parameters`` / ``_modules``:
@@ -208,15 +208,13 @@ class Mamba2Mixer(nn.Module):
         if key is None or key != self._derived_key:
             w = w.detach()
             c, h = self.conv_dim, self.num_heads
-            d = d.detach()
             self._derived_cache = (
                 w[:, 0].t().contiguous(),
                 w.reshape(c, -1, 1),
                 None if bias is None else bias.detach(),
                 None if bias is None else bias.detach().view(c, 1, 1),
                 -torch.exp(a_log.detach().float()).view(h, 1),
-                d.view(h, 1),
-                d.repeat_interleave(self.head_dim),
+                d.detach().repeat_interleave(self.head_dim),
             )
             self._derived_key = key
         return self._derived_cache
@@ -237,7 +235,7 @@ class Mamba2Mixer(nn.Module):
         if not (cache.owned and proj.dtype == ssm.dtype == torch.float32 and ssm.is_contiguous()):
             out, new = self._step(z[:, None], xbc[:, None], dt[:, None], cache, None)
             return residual + out[:, 0], new
-        taps_t, taps_c, bias, bias_c, A, D, D_flat = self._derived()
+        taps_t, taps_c, bias, bias_c, A, D_flat = self._derived()
         c = self.conv_dim
         if b == 1:
             # Channel-major window (1, conv_dim, K): the K-tap dot product of every channel, plus its bias,

@@ -228,7 +228,13 @@ class Experts(nn.Module):
         return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
 
     def _dense(
-        self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
+        self,
+        x: Tensor,
+        idx: Tensor,
+        weights: Tensor,
+        ffn_mask: Tensor | None,
+        observer: RoutingObserver | None,
+        residual: Tensor | None = None,
     ) -> Tensor:
         """Every expert on every token, mixed with the routing weights (zero for unselected experts).
 
@@ -236,10 +242,10 @@ class Experts(nn.Module):
         of sort + bincount + gather + a loop over experts + scatter. The routing weights scale the (T, E, F)
         activations before the down projection, so the down projection sums over experts by itself: one
         GEMM over the (E * F) inputs when the stacked ``down_proj`` is stored inputs-major, else a batched
-        matmul and a sum.
+        matmul and a sum. ``residual`` (T, hidden), when given, is added by that GEMM.
         """
         t, k = idx.shape
-        up, down = self.up_proj, self.down_proj
+        up, down = self._parameters["up_proj"], self._parameters["down_proj"]
         e, f, h = up.shape
         if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
             act = relu2(x @ up.view(e * f, h).t()).view(t, e, f)
@@ -252,7 +258,7 @@ class Experts(nn.Module):
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
         mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
-        return self._mix_down(act, mix)
+        return self._mix_down(act, mix, residual)
 
     def _mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
         """Scale every expert's activations by its routing weight and project down, summing over experts.
@@ -329,29 +335,15 @@ class MoE(nn.Module):
     ) -> Tensor:
         """:meth:`decode_step` for several rows (T, hidden) -> (T, hidden).
 
-        On the dense expert path the routing weights are built directly as a (T, E) matrix (the selected
-        scores, renormalised and scaled; zero elsewhere) instead of gathered and scattered, and the shared
-        expert's output, itself on the residual, is added by the routed experts' down-projection GEMM.
-        Other paths: the general routing and experts, plus the shared expert on the residual.
+        The shared expert's output, itself on the residual, is the addend of the routed experts: on the
+        dense path it is added by their down-projection GEMM.
         """
-        up = experts._parameters["up_proj"]
-        e, f, h = up.shape
+        e, f, h = experts._parameters["up_proj"].shape
         base = residual if shared is None else shared.decode_step(x, residual)
-        if expert_path(x.shape[0], gate.top_k, e, f, h) != "dense":
-            idx, w = gate(x)
-            return experts(x, idx, w).add_(base)
-        scores = torch.sigmoid(F.linear(x, gate._parameters["weight"]))  # (T, E)
-        idx = torch.topk(scores + gate._buffers["e_score_correction_bias"], gate.top_k, sorted=False).indices
-        mix = torch.zeros_like(scores).scatter_(1, idx, scores.gather(1, idx))  # selected scores, 0 elsewhere
-        if gate.norm_topk_prob:
-            mix = mix.div_(mix.sum(-1, keepdim=True).add_(1e-20))
-        if gate.scaling != 1.0:
-            mix = mix.mul_(gate.scaling)
-        if up.stride(0) == f * up.stride(1):  # (E*F, hidden) is a view
-            act = F.linear(x, up.view(e * f, h)).relu_().square_().view(-1, e, f)
-        else:
-            act = relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)
-        return experts._mix_down(act, mix, base)
+        idx, w = gate(x)
+        if expert_path(x.shape[0], gate.top_k, e, f, h) == "dense":
+            return experts._dense(x, idx, w, None, None, base)
+        return experts(x, idx, w).add_(base)
 
     def forward(
         self,

@@ -56,7 +56,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from components.serving import protocol as P
 from components.serving.config import APP_NAME, ServingConfig, load_config, resolve_checkpoint
-from components.serving.engine import Engine, EngineStopped, Job, JobResult, LoadedModel
+from components.serving.engine import Engine, EngineStopped, Job, JobResult
+from components.serving.loading import LoadedModel
 from components.serving.metrics import ServingMetrics
 from model.generate import SamplingParams
 

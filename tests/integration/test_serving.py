@@ -285,7 +285,8 @@ def test_metrics_per_budget(http):
 def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
     """The server's incremental loop gives what model.phases.think_then_answer gives (batched, seeded)."""
     from components.serving.config import ServingConfig
-    from components.serving.engine import Engine, Job, LoadedModel
+    from components.serving.engine import Engine, Job
+    from components.serving.loading import LoadedModel
     from model.generate import SamplingParams
     from model.phases import think_then_answer
 
@@ -337,7 +338,8 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
     """A request arriving while another decodes joins its batch at the next step (a shorter KV history,
     left-padded) and still gets exactly what it gets alone; with merging off it decodes in its own batch."""
     from components.serving.config import ServingConfig
-    from components.serving.engine import Engine, Job, LoadedModel
+    from components.serving.engine import Engine, Job
+    from components.serving.loading import LoadedModel
     from model.generate import SamplingParams
     from model.phases import think_then_answer
 
