@@ -3,14 +3,20 @@
 For each model (the demo-sized parent and a ~120M-parameter one where weights dominate; random
 weights, three budgets each) and each budget, at batch 1:
 
-* ``ms/step``: the best (minimum) wall time over ``--steps`` cached single-token decode steps of the
-  budget's view model (:func:`model.budget_view.budget_model`) after a ``--prompt``-token prefill;
-  ``tok/s`` = 1000/that. The minimum is what the ratios use, because other processes on a shared
-  machine only ever add time; the median is shown beside it.
-* ``speedup``: full's step time / the budget's; ``param ratio``: full's active parameters / the
-  budget's. Target: speedup >= 0.9 x param ratio.
-* ``extracted``: the same step on a contiguous copy of the budget (``model.elastic.slicing.extract``),
-  to tell the cost of views (strided / split matmuls) from the cost of the model code itself.
+* ``ms/step``: a budget's cached single-token decode step at batch 1 after a ``--prompt``-token
+  prefill, on its view model (:func:`model.budget_view.budget_model`). The budgets (and their
+  contiguous copies) are measured in ``--rounds`` interleaved rounds, every round running each case
+  once (``--steps`` steps after a fresh prefill; the round's figure is its fastest step, since other
+  processes only ever add time) and alternating the order. ``ms/step`` is the median of the rounds'
+  figures; ``tok/s`` = 1000/that.
+* ``speedup``: full's step time / the budget's, taken round by round (both ran in the same round, so
+  a slow phase of the machine weighs on both) and reported as the median with its interquartile
+  range; ``param ratio``: full's active parameters / the budget's. Target: speedup >= 0.9 x param
+  ratio (the median).
+* ``contiguous``: the same step on a contiguous copy of the budget laid out as a view model lays out
+  its parent (:func:`model.elastic.slicing.extract`, then a full-size view of the copy, so every
+  matrix is stored inputs-major): the cost of the budget's own shapes without any strided or split
+  matrix. Its ``x floor`` bounds what any memory layout of the views could reach on this machine.
 * ``floor``: the physical floor of a batch-1 step, the bytes of weights one token must read (active
   parameters minus the embedding table, of which one row is read, times the dtype size) over the
   measured memory read bandwidth. Target: step time within 1.5x of it.
@@ -35,7 +41,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +52,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Timing, format_table, machine_info, save_json, set_threads, time_call  # noqa: E402
+from benchmarks.common import format_table, machine_info, save_json, set_threads, time_call  # noqa: E402
 from model.budget_view import budget_model  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
 from model.elastic import Architecture, count_params  # noqa: E402
@@ -91,19 +99,46 @@ def bandwidth(threads: int, mbytes: int = 512) -> dict[str, float]:
             "copy_gbs": copy, "threads": threads}  # fmt: skip
 
 
-def step_time(model: torch.nn.Module, prompt: int, steps: int, vocab: int) -> Timing:
-    """Seconds of one batch-1 decode step after a ``prompt``-token prefill (``steps`` samples)."""
+def decode_state(model: torch.nn.Module, prompt: int, vocab: int) -> dict[str, Any]:
+    """A fresh cache after a ``prompt``-token prefill (same tokens every time) and the next token."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, prompt), generator=g)
+    res = model(ids, use_cache=True, logits_to_keep=1)
+    return {"cache": res.cache, "tok": res.logits[:, -1].argmax(-1, keepdim=True)}
+
+
+def fastest_step(model: torch.nn.Module, state: dict[str, Any], steps: int, warmup: int = 2) -> float:
+    """Seconds of the fastest of ``steps`` batch-1 decode steps continuing ``state`` (after ``warmup`` more)."""
+    best = float("inf")
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        out = model(state["tok"], cache=state["cache"])
+        elapsed = time.perf_counter() - start
+        state["cache"], state["tok"] = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        if i >= warmup:
+            best = min(best, elapsed)
+    return best
+
+
+def interleaved_steps(models: dict[str, torch.nn.Module], args, vocab: int) -> dict[str, list[float]]:
+    """Per case, the fastest step of each of ``args.rounds`` rounds; every round runs every case once, the
+    order reversed every other round, each from a fresh prefill (untimed)."""
+    out: dict[str, list[float]] = {name: [] for name in models}
+    names = list(models)
     with torch.inference_mode():
-        res = model(ids, use_cache=True, logits_to_keep=1)
-        state = {"cache": res.cache, "tok": res.logits[:, -1].argmax(-1, keepdim=True)}
+        for r in range(args.rounds + 1):  # round 0 warms up every case (lazily derived tensors, allocator)
+            for name in names if r % 2 == 0 else reversed(names):
+                state = decode_state(models[name], args.prompt, vocab)
+                best = fastest_step(models[name], state, args.steps)
+                if r > 0:
+                    out[name].append(best)
+    return out
 
-        def one() -> None:
-            out = model(state["tok"], cache=state["cache"])
-            state["cache"], state["tok"] = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
 
-        return time_call(one, warmup=3, repeats=steps)
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """Median and the first and third quartiles."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return statistics.median(values), q[0], q[2]
 
 
 def lm_head_layouts(fields: dict, budgets: dict[str, Architecture], repeats: int = 15) -> list[dict[str, Any]]:
@@ -157,27 +192,31 @@ def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -
 def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: float, args) -> list[dict[str, Any]]:
     config = HybridConfig(**fields)
     full = HybridLM(config).init_weights(0).eval()
+    models: dict[str, torch.nn.Module] = {}
+    for budget, arch in budgets.items():
+        models[budget] = budget_model(full, arch, name=budget)
+        models[f"{budget}/contiguous"] = budget_model(extract(full, arch).eval(), Architecture())
+    steps = interleaved_steps(models, args, config.vocab_size)
+    first = next(iter(budgets))
     rows = []
     for budget, arch in budgets.items():
-        view = budget_model(full, arch, name=budget)
-        copy = extract(full, arch).eval()
-        t_view = step_time(view, args.prompt, args.steps, config.vocab_size)
-        t_copy = step_time(copy, args.prompt, args.steps, config.vocab_size)
-        del copy
-        count = count_params(config, arch)
+        count, full_count = count_params(config, arch), count_params(config, budgets[first])
         floor = weight_bytes_read(config, arch, 4) / (bw * 1e9)
+        view, contiguous = steps[budget], steps[f"{budget}/contiguous"]
+        speedup = quartiles([a / b for a, b in zip(steps[first], view, strict=True)])
         rows.append(
             {"model": name, "budget": budget, "total_params": count.total, "active_params": count.active,
-             "step_s": t_view.min_s, "median_step_s": t_view.median_s, "extracted_step_s": t_copy.min_s,
-             "floor_s": floor, "view_mode": view.mode}
+             "step_s": statistics.median(view), "step_rounds_s": view,
+             "contiguous_step_s": statistics.median(contiguous),
+             "contiguous_rounds_s": contiguous, "floor_s": floor, "view_mode": models[budget].mode,
+             "speedup": speedup[0], "speedup_q1": speedup[1], "speedup_q3": speedup[2],
+             "param_ratio": full_count.active / count.active}
         )  # fmt: skip
-    full_row = rows[0]
     for r in rows:
         r["tok_s"] = 1.0 / r["step_s"]
-        r["speedup"] = full_row["step_s"] / r["step_s"]
-        r["param_ratio"] = full_row["active_params"] / r["active_params"]
         r["speedup_target_met"] = r["speedup"] >= 0.9 * r["param_ratio"]
         r["x_floor"] = r["step_s"] / r["floor_s"]
+        r["contiguous_x_floor"] = r["contiguous_step_s"] / r["floor_s"]
         r["floor_target_met"] = r["x_floor"] <= 1.5
     return rows
 
@@ -208,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=32, help="prefill length before the timed steps")
-    p.add_argument("--steps", type=int, default=30, help="timed decode steps per budget (median reported)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (medians over rounds are reported)")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per case and round (the fastest counts)")
     p.add_argument("--skip-large", action="store_true", help="only the demo-sized model")
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
     p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
@@ -224,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = bench_model("demo", DEMO, DEMO_BUDGETS, bw["read_gbs"], args)
     if not args.skip_large:
         rows += bench_model("large", LARGE, LARGE_BUDGETS, bw["read_gbs"], args)
-    headers = ["model", "budget", "active", "ms/step", "median ms", "tok/s", "speedup", "param ratio", "met",
-               "extracted ms", "floor ms", "x floor", "met"]  # fmt: skip
+    headers = ["model", "budget", "active", "ms/step", "tok/s", "speedup (IQR)", "param ratio", "met",
+               "contiguous ms", "floor ms", "x floor", "met", "contiguous x floor"]  # fmt: skip
     table = [
-        [r["model"], r["budget"], f"{r['active_params']:,}", 1e3 * r["step_s"], 1e3 * r["median_step_s"], r["tok_s"],
-         r["speedup"], r["param_ratio"], "yes" if r["speedup_target_met"] else "no", 1e3 * r["extracted_step_s"],
-         1e3 * r["floor_s"], r["x_floor"], "yes" if r["floor_target_met"] else "no"]
+        [r["model"], r["budget"], f"{r['active_params']:,}", 1e3 * r["step_s"], r["tok_s"],
+         f"{r['speedup']:.3f} ({r['speedup_q1']:.3f}-{r['speedup_q3']:.3f})", r["param_ratio"],
+         "yes" if r["speedup_target_met"] else "no", 1e3 * r["contiguous_step_s"], 1e3 * r["floor_s"], r["x_floor"],
+         "yes" if r["floor_target_met"] else "no", r["contiguous_x_floor"]]
         for r in rows
     ]  # fmt: skip
     print(format_table(headers, table))

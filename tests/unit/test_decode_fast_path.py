@@ -367,6 +367,33 @@ def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
             assert (linear(col_linear(lin_t, rows, 16), xc, res) - want).abs().max().item() <= ATOL
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
+def test_one_row_takes_the_span_of_densely_kept_rows(bias):
+    """Kept rows filling at least half of their span: one input row is one GEMV over the span and a gather,
+    equal to the blocks' path (which several rows still take); sparsely kept rows have no span path."""
+    from model.budget_view import store_transposed
+    from model.split_linear import RowSplitLinear, row_linear
+
+    lin = torch.nn.Linear(24, 64, bias=bias)
+    store_transposed(lin.weight)
+    dense = torch.cat([torch.arange(0, 12), torch.arange(16, 28), torch.arange(32, 44), torch.arange(60, 62)])
+    sparse = torch.cat([torch.arange(0, 4), torch.arange(16, 20), torch.arange(32, 36), torch.arange(60, 62)])
+    split = row_linear(lin, dense, 20)
+    assert isinstance(split, RowSplitLinear) and split._span is not None
+    assert row_linear(lin, sparse, 20)._span is None
+    for shape in [(1, 20), (1, 1, 20), (5, 20)]:
+        x = torch.randn(shape)
+        want = torch.nn.functional.linear(x, lin.weight[dense, :20], lin.bias[dense] if bias else None)
+        assert (split(x) - want).abs().max().item() <= ATOL
+        assert (linear(split, x.reshape(-1, 20)) - want.reshape(-1, want.shape[-1])).abs().max().item() <= ATOL
+    one = torch.randn(1, 20)
+    split._span = None  # the blocks' path for the same row
+    blocks = split(one)
+    split2 = row_linear(lin, dense, 20)
+    assert (split2(one) - blocks).abs().max().item() <= ATOL
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 @torch.no_grad()
 def test_views_store_the_parent_inputs_major_without_changing_it(monkeypatch, grouped):
