@@ -367,7 +367,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
     if not (folder / TOKENIZER_FILE).is_file():
         raise ValueError(f"checkpoint_uri: no {TOKENIZER_FILE} beside the checkpoint in {folder}")
     tok = CharTokenizer.load(folder)
-    registry = BudgetRegistry.from_checkpoint(folder, dtype=_DTYPES[config.dtype], device=config.device)
+    registry = BudgetRegistry.from_checkpoint(folder, dtype=_DTYPES[config.dtype], device=config.device, nested=True)
     pairs = resolve_pairs(config, registry)
     full_active = registry.active_params[registry.names[0]]
     sets = problem_sets(config)

@@ -14,6 +14,13 @@ Design choices:
   applied to the matching input slices, summed), still views, with one batched matmul per run of
   equally spaced blocks. Mamba's ``in_proj`` is split this
   way even with one group ([z | x | B | C | dt] keeps a prefix of z, x and dt but all of B and C).
+  A single input row whose kept rows fill at least half their span takes one GEMV over the span
+  and a gather instead (short strided runs stream slowly; see ``split_linear._SPAN_MIN_KEPT``).
+* A registry built with ``nested=True`` (serving, evaluation) first re-lays the parent's Mamba
+  ``in_proj`` / ``out_proj`` out tier by tier (:mod:`model.nested_layout`): the heads every budget
+  keeps first, then those only larger budgets keep. Each budget's Mamba rows are then one prefix
+  of the one storage, read by one GEMV plus a gather of its outputs (no gather for the smallest
+  budget). Layers under ``nested_layout.NEST_MIN_BYTES`` stay group-major (overhead-bound there).
 * Routed experts are strided 3-D views ``[:E', :F', :H']``. When the expert width shrinks, the
   (E, F) dimensions can no longer be flattened without a copy, which the parent's few-token
   expert path does; such layers get :class:`StridedExperts`, the same computation with batched
@@ -70,7 +77,9 @@ from model.elastic.space import ElasticSpace
 from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
 from model.moe import Experts, RoutingObserver
+from model.nested_layout import nest_mamba_projections, tiered_view
 from model.split_linear import col_linear, param, row_linear, runs
+from model.tiered_linear import TieredCols, TieredRows
 
 Mode = Literal["view", "masked"]
 
@@ -112,8 +121,12 @@ def _view_mamba(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, 
     ch = head_channels(heads, c.mamba_head_dim)
     d, gn = c.mamba_d_inner, 2 * c.n_groups * c.ssm_state_size
     bc = torch.arange(gn)
-    in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
-    dst.in_proj = row_linear(src.in_proj, in_rows, h)
+    if isinstance(src.in_proj, TieredRows):  # a nested parent: the budget's rows are a prefix of its storage
+        dst.in_proj, dst.out_proj = tiered_view(src, c, la.mamba_heads, h)
+    else:
+        in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
+        dst.in_proj = row_linear(src.in_proj, in_rows, h)
+        dst.out_proj = col_linear(src.out_proj, ch, h)
     conv_ch = torch.cat([ch, d + bc])  # [x | B | C]
     dst.conv1d.weight = param(_gather(src.conv1d.weight, conv_ch))
     if src.conv1d.bias is not None:
@@ -121,7 +134,6 @@ def _view_mamba(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, 
     for name in ("dt_bias", "A_log", "D"):
         setattr(dst, name, param(_gather(getattr(src, name), heads)))
     dst.norm.weight = param(_gather(src.norm.weight, ch))
-    dst.out_proj = col_linear(src.out_proj, ch, h)
 
 
 def _view_attention(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, h: int) -> None:
@@ -239,6 +251,8 @@ def _sliceable(full: HybridLM) -> bool:
     for block in full.model.layers:
         mixer = block.mixer
         if block.kind == "mamba":
+            if type(mixer.in_proj) is TieredRows and type(mixer.out_proj) is TieredCols:
+                continue  # re-laid out by nest_mamba_projections: plain tensors
             linears += [mixer.in_proj, mixer.out_proj]
         elif block.kind == "attention":
             linears += [mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj]
@@ -320,10 +334,32 @@ def copied_bytes(budget: nn.Module, full: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------- registry
+def nest_parent(full: HybridLM, archs: Sequence[Architecture], depth_order: Sequence[int] | None = None) -> bool:
+    """Re-lay ``full``'s Mamba projections out tier by tier for the budgets ``archs``, in place
+    (:func:`model.nested_layout.nest_mamba_projections`). Returns whether any layer changed.
+
+    Afterwards ``full`` computes what it did and serves views of exactly these budgets' Mamba head counts;
+    it is no longer a plain parent to slice, permute, quantize or save.
+    """
+    config = full.config
+    keep: dict[int, set[int]] = {}
+    for arch in archs:
+        for la in arch.resolve(config, None, depth_order).kept:
+            if la.kind == "mamba":
+                keep.setdefault(la.index, set()).add(la.mamba_heads // config.n_groups)
+    changed = False
+    for index, ks in keep.items():
+        changed |= nest_mamba_projections(full.model.layers[index].mixer, config, ks)
+    return changed
+
+
 class BudgetRegistry:
     """One parent in memory and a :class:`BudgetModel` per budget, largest (by active params) first.
 
     ``get(name)`` returns the budget's model; unknown names raise ``ValueError`` listing the valid ones.
+    ``nested=True`` first re-lays the parent's Mamba projections out tier by tier for these budgets
+    (:func:`nest_parent`): every budget's Mamba rows become one prefix of one weight copy (faster one-row
+    GEMVs), and the parent is then for serving these budgets only.
     """
 
     def __init__(
@@ -332,10 +368,12 @@ class BudgetRegistry:
         budgets: Mapping[str, Architecture],
         depth_order: Sequence[int] | None = None,
         prefer: Mode = "view",
+        nested: bool = False,
     ) -> None:
         if not budgets:
             raise ValueError("a budget registry needs at least one budget")
         self.full = full.eval()
+        self.nested = False
         self.depth_order = list(depth_order) if depth_order is not None else None
         sized = []
         for n, a in budgets.items():
@@ -347,6 +385,8 @@ class BudgetRegistry:
         sized.sort(key=lambda t: -t[2])  # stable: equal sizes keep the given order
         self.architectures = {n: a for n, a, _ in sized}
         self.active_params = {n: p for n, _, p in sized}
+        if nested and prefer == "view" and _sliceable(full):
+            self.nested = nest_parent(full, list(self.architectures.values()), self.depth_order)
         self._models = {n: budget_model(full, a, self.depth_order, prefer=prefer, name=n) for n, a, _ in sized}
 
     @property
@@ -372,7 +412,11 @@ class BudgetRegistry:
 
     @classmethod
     def from_checkpoint(
-        cls, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+        cls,
+        path: str | Path,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        nested: bool = False,
     ) -> BudgetRegistry:
         """Load a checkpoint folder once; budgets from its ``elastic`` section, or one budget ``"full"``."""
         from model.elastic.export import read_elastic
@@ -389,6 +433,6 @@ class BudgetRegistry:
         if device is not None:
             full = full.to(device)
         if "elastic" not in raw:
-            return cls(full, {"full": Architecture()})
+            return cls(full, {"full": Architecture()}, nested=nested)
         info = read_elastic(folder)
-        return cls(full, info.architectures, info.depth_order)
+        return cls(full, info.architectures, info.depth_order, nested=nested)

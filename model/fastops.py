@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 from model.split_linear import ColSplitLinear, RowSplitLinear
+from model.tiered_linear import TieredCols, TieredRows
 
 _EPS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
@@ -88,9 +89,10 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
             # output, so the residual is added by the GEMM itself, with one call and no transposed view
             return F.linear(x, weight, residual)
         return F.linear(x, weight, bias).add_(residual)
-    if type(module) is ColSplitLinear and not _hooked(module):
-        return module.forward(x, residual)  # the residual is the first GEMM's addend
-    if type(module) is RowSplitLinear and not _hooked(module):
+    kind = type(module)
+    if (kind is ColSplitLinear or kind is TieredCols) and not _hooked(module):
+        return module.forward(x, residual)  # the residual is the (first) GEMM's addend
+    if (kind is RowSplitLinear or kind is TieredRows) and not _hooked(module):
         out = module.forward(x)
     else:
         out = module(x)

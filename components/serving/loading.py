@@ -81,7 +81,7 @@ class LoadedModel:
             if unknown:
                 raise ValueError(f"budgets {unknown} are not in the checkpoint; it has {sorted(archs)}")
             archs = {n: a for n, a in archs.items() if n in config.budgets}
-        registry = BudgetRegistry(full, archs, order)
+        registry = BudgetRegistry(full, archs, order, nested=True)  # one weight copy, laid out for budgets
         tokenizer = CharTokenizer.load(folder)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
