@@ -182,6 +182,40 @@ def cold_gemv(repeats: int = 60) -> list[dict[str, Any]]:
     return rows
 
 
+def split_rows_gemv(repeats: int = 50) -> list[dict[str, Any]]:
+    """Microseconds of one input row through the kept head rows of a projection, on weights not in any
+    cache: the :class:`~model.split_linear.RowSplitLinear` blocks (a batched matmul over strided runs)
+    against one GEMV over the span of the kept rows and a gather (its one-row path when the kept rows fill
+    ``split_linear._SPAN_MIN_KEPT`` of the span). The parent is a Mamba ``in_proj``-like (4640, 1024)
+    weight stored inputs-major, of which 8 runs of ``keep`` rows 512 apart and ``hidden`` input columns are
+    kept. 25% quantile of the calls."""
+    import torch.nn.functional as F
+
+    from model.budget_view import store_transposed
+    from model.split_linear import row_linear
+
+    out = []
+    count = max(4, int(512e6 / (4640 * 1024 * 4)))
+    for hidden, keep in [(768, 384), (768, 256), (768, 128), (512, 256)]:
+        rows = torch.cat([torch.arange(g * 512, g * 512 + keep) for g in range(8)])
+        x = torch.randn(1, hidden)
+        blocks, spans = [], []
+        for _ in range(count):
+            lin = torch.nn.Linear(1024, 4640, bias=False)
+            store_transposed(lin.weight)
+            split = row_linear(lin, rows, hidden)
+            split._span = None  # the blocks' path
+            blocks.append(split)
+            spans.append(lin.weight.detach()[: int(rows.max()) + 1, :hidden])
+        t_blocks = time_call(lambda it=itertools.cycle(blocks), v=x: next(it)(v), warmup=count, repeats=repeats)
+        t_span = time_call(lambda it=itertools.cycle(spans), v=x, i=rows: F.linear(v, next(it)).index_select(1, i),
+                           warmup=count, repeats=repeats)  # fmt: skip
+        q25 = [1e6 * sorted(t.samples)[len(t.samples) // 4] for t in (t_blocks, t_span)]
+        out.append({"hidden": hidden, "kept_share": keep / 512, "blocks_us": q25[0], "span_us": q25[1]})
+        del blocks, spans
+    return out
+
+
 def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -> int:
     """Bytes of weights one token reads: active parameters, with one embedding row instead of the table."""
     active = count_params(config, arch).active
@@ -227,6 +261,49 @@ def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: f
     return rows
 
 
+def mamba_projection_times(fields: dict, budgets: dict[str, Architecture], args) -> list[dict[str, Any]]:
+    """Milliseconds per decode step spent in the Mamba ``in_proj`` / ``out_proj`` calls of each budget but
+    the full one, for its three layouts (nested views: what serving builds; group-major views; a contiguous
+    copy), timed by forward hooks over interleaved rounds (hooks add the same call overhead to all three)."""
+    config = HybridConfig(**fields)
+    full, plain = HybridLM(config).init_weights(0).eval(), HybridLM(config).init_weights(0).eval()
+    names = [b for b in budgets if budgets[b] != Architecture()]
+    models: dict[str, torch.nn.Module] = {}
+    for b in names:
+        models[f"{b}/contiguous"] = budget_model(extract(plain, budgets[b]).eval(), Architecture())
+        models[f"{b}/group-major"] = budget_model(plain, budgets[b])
+    registry = BudgetRegistry(full, budgets, nested=True)
+    for b in names:
+        models[f"{b}/nested"] = registry.get(b)
+    spent: dict[tuple[str, str], float] = {}
+    started: dict[tuple[str, str], float] = {}
+    handles = []
+
+    def start(key: tuple[str, str], inputs: tuple) -> None:
+        if inputs[0].shape[:-1].numel() == 1:  # a decode step's one row, not the prefill
+            started[key] = time.perf_counter()
+
+    def stop(key: tuple[str, str]) -> None:
+        if key in started:
+            spent[key] += time.perf_counter() - started.pop(key)
+
+    for case, model in models.items():
+        for block in model.model.layers:
+            for part in ("in_proj", "out_proj") if block.kind == "mamba" else ():
+                key = (case, part)
+                spent[key] = 0.0
+                module = getattr(block.mixer, part)
+                handles.append(module.register_forward_pre_hook(lambda _, inputs, k=key: start(k, inputs)))
+                handles.append(module.register_forward_hook(lambda *_, k=key: stop(k)))
+    interleaved_steps(models, args, config.vocab_size)
+    steps = (args.rounds + 1) * (args.steps + 2)  # every decode step each case ran (warm-up ones too)
+    for h in handles:
+        h.remove()
+    return [{"budget": b, "layout": layout, "in_proj_ms": 1e3 * spent[(f"{b}/{layout}", "in_proj")] / steps,
+             "out_proj_ms": 1e3 * spent[(f"{b}/{layout}", "out_proj")] / steps}
+            for b in names for layout in ("nested", "group-major", "contiguous")]  # fmt: skip
+
+
 def profile_step(fields: dict, arch: Architecture, prompt: int, steps: int, rows: int = 12) -> str:
     """Top operators (self CPU time, grouped by input shapes) of ``steps`` decode steps of a budget's view."""
     from torch.profiler import ProfilerActivity, profile
@@ -258,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-large", action="store_true", help="only the demo-sized model")
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
     p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
+    p.add_argument("--projections", action="store_true", help="also time the large model's Mamba projections")
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
     set_threads(args.threads)
@@ -298,6 +376,18 @@ def main(argv: list[str] | None = None) -> int:
             ["matrix", "block", "block MB", "strided view GB/s", "contiguous GB/s"],
             [[g["matrix"], g["block"], g["block_mb"], g["strided_gbs"], g["contiguous_gbs"]] for g in gemv],
         ))  # fmt: skip
+    split = split_rows_gemv() if args.gemv else []
+    if split:
+        print(format_table(
+            ["hidden", "kept share of each run", "strided blocks us", "span GEMV + gather us"],
+            [[r["hidden"], r["kept_share"], r["blocks_us"], r["span_us"]] for r in split],
+        ))  # fmt: skip
+    projections = mamba_projection_times(LARGE, LARGE_BUDGETS, args) if args.projections else []
+    if projections:
+        print(format_table(
+            ["budget", "Mamba layout", "in_proj ms/step", "out_proj ms/step"],
+            [[r["budget"], r["layout"], r["in_proj_ms"], r["out_proj_ms"]] for r in projections],
+        ))  # fmt: skip
     prof = {}
     if args.profile:
         targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]
@@ -309,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
                               "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
-                              "cold_gemv": gemv, "profile": prof})  # fmt: skip
+                              "cold_gemv": gemv, "split_rows": split, "mamba_projections": projections,
+                              "profile": prof})  # fmt: skip
     return 0
 
 
