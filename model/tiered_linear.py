@@ -13,7 +13,22 @@ from torch import Tensor, nn
 from model.split_linear import param
 
 
-class TieredRows(nn.Module):
+class _Tiered(nn.Module):
+    """What both tiered layers hold: the (prefix) storage view ``weight_t``, a bias, the caller-order
+    gather ``order`` (None: identity) and, under ``index_name``, the original index of every storage
+    position (a nested view of this layer builds its own prefix and order from it)."""
+
+    def __init__(self, weight_t: Tensor, bias: Tensor | None, order: Tensor | None, index_name: str, index: Tensor):
+        super().__init__()
+        self.weight_t = param(weight_t)
+        self.register_parameter("bias", param(bias) if bias is not None else None)
+        self.register_buffer("order", order, persistent=False)
+        self.register_buffer(index_name, index, persistent=False)
+        self.in_features = weight_t.shape[0]
+        self.out_features = weight_t.shape[1]
+
+
+class TieredRows(_Tiered):
     """A linear layer whose output rows are stored tier by tier: ``y = (x @ W + b)[..., order]``.
 
     ``weight_t``: (in, n) view of the (in, total) inputs-major storage, whose column j holds output row
@@ -23,13 +38,9 @@ class TieredRows(nn.Module):
     """
 
     def __init__(self, weight_t: Tensor, bias: Tensor | None, order: Tensor | None, storage_rows: Tensor) -> None:
-        super().__init__()
-        self.weight_t = param(weight_t)
-        self.register_parameter("bias", param(bias) if bias is not None else None)
-        self.register_buffer("order", order, persistent=False)
-        self.register_buffer("storage_rows", storage_rows, persistent=False)
-        self.in_features = weight_t.shape[0]
-        self.out_features = weight_t.shape[1] if order is None else order.numel()
+        super().__init__(weight_t, bias, order, "storage_rows", storage_rows)
+        if order is not None:
+            self.out_features = order.numel()
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
@@ -43,7 +54,7 @@ class TieredRows(nn.Module):
         return y if x.dim() == 2 else y.view(*lead, -1)
 
 
-class TieredCols(nn.Module):
+class TieredCols(_Tiered):
     """A linear layer whose input columns are stored tier by tier: ``y = x[..., order] @ W + b``.
 
     ``weight_t``: (n, out) view of the (total, out) inputs-major storage, whose row j holds input column
@@ -52,13 +63,7 @@ class TieredCols(nn.Module):
     """
 
     def __init__(self, weight_t: Tensor, bias: Tensor | None, order: Tensor | None, storage_cols: Tensor) -> None:
-        super().__init__()
-        self.weight_t = param(weight_t)
-        self.register_parameter("bias", param(bias) if bias is not None else None)
-        self.register_buffer("order", order, persistent=False)
-        self.register_buffer("storage_cols", storage_cols, persistent=False)
-        self.in_features = weight_t.shape[0]
-        self.out_features = weight_t.shape[1]
+        super().__init__(weight_t, bias, order, "storage_cols", storage_cols)
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         """x: (..., n) -> (..., out), plus ``residual`` (same shape as the output) when given, which is
