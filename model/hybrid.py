@@ -178,9 +178,19 @@ class HybridLM(nn.Module):
         return load_model(path, dtype=dtype)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> Path:
-        """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`."""
-        from model.checkpoint import save_model
+        """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`.
 
+        Raises ``TypeError`` for a parent re-laid out for serving (:mod:`model.nested_layout`): its Mamba
+        projections no longer hold the checkpoint's tensors.
+        """
+        from model.checkpoint import save_model
+        from model.tiered_linear import TieredCols, TieredRows
+
+        if any(isinstance(m, (TieredRows, TieredCols)) for m in self.modules()):
+            raise TypeError(
+                "this model's Mamba projections were re-laid out for serving budgets (model.nested_layout); "
+                "save the checkpoint it was loaded from, or a model loaded from it without a nested registry"
+            )
         return save_model(self, path, **kwargs)
 
     # ------------------------------------------------------------------ forward

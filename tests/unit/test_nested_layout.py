@@ -114,10 +114,14 @@ def test_small_layers_stay_group_major(monkeypatch):
     assert BudgetRegistry(_parent(False), BUDGETS, nested=True).nested
 
 
-def test_a_nested_parent_refuses_to_be_sliced_as_a_plain_one():
-    """Its Mamba projections have no nn.Linear weight: code reading one fails instead of reading permuted rows."""
+def test_a_nested_parent_refuses_to_be_sliced_or_saved_as_a_plain_one(tmp_path):
+    """Its Mamba projections have no nn.Linear weight: code reading one, or saving the model, fails instead of
+    reading or writing permuted rows."""
     parent = _parent(False)
     BudgetRegistry(parent, BUDGETS, nested=True)
     mixer = next(b.mixer for b in parent.model.layers if b.kind == "mamba")
     with pytest.raises(AttributeError):
         _ = mixer.in_proj.weight
+    with pytest.raises(TypeError, match="re-laid out for serving"):
+        parent.save_pretrained(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
