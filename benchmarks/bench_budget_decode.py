@@ -53,6 +53,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, machine_info, save_json, set_threads, time_call  # noqa: E402
+from model import nested_layout  # noqa: E402
 from model.budget_view import BudgetRegistry, budget_model  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
 from model.elastic import Architecture, count_params  # noqa: E402
@@ -223,17 +224,25 @@ def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -
     return (active - config.vocab_size * hidden + hidden) * itemsize
 
 
-def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: float, args) -> list[dict[str, Any]]:
-    config = HybridConfig(**fields)
+def layout_cases(config: HybridConfig, budgets: dict[str, Architecture], measured: list[str]) -> dict[str, Any]:
+    """Per budget in ``measured``, three models of the same random weights: ``name`` as serving builds it
+    (a nested registry over all ``budgets``), ``name/group-major`` (views of a parent left group-major) and
+    ``name/contiguous`` (a contiguous copy of the budget, viewed so that it is stored inputs-major)."""
     full = HybridLM(config).init_weights(0).eval()
     plain = HybridLM(config).init_weights(0).eval()  # the same weights, Mamba projections left group-major
     models: dict[str, torch.nn.Module] = {}
-    for budget, arch in budgets.items():
-        models[f"{budget}/contiguous"] = budget_model(extract(full, arch).eval(), Architecture())
-        models[f"{budget}/group-major"] = budget_model(plain, arch, name=budget)
-    registry = BudgetRegistry(full, budgets, nested=True)  # what serving builds
-    for budget in budgets:
+    for budget in measured:
+        models[f"{budget}/contiguous"] = budget_model(extract(plain, budgets[budget]).eval(), Architecture())
+        models[f"{budget}/group-major"] = budget_model(plain, budgets[budget], name=budget)
+    registry = BudgetRegistry(full, budgets, nested=True)
+    for budget in measured:
         models[budget] = registry.get(budget)
+    return models
+
+
+def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: float, args) -> list[dict[str, Any]]:
+    config = HybridConfig(**fields)
+    models = layout_cases(config, budgets, list(budgets))
     steps = interleaved_steps(models, args, config.vocab_size)
     first = next(iter(budgets))
     rows = []
@@ -266,15 +275,8 @@ def mamba_projection_times(fields: dict, budgets: dict[str, Architecture], args)
     the full one, for its three layouts (nested views: what serving builds; group-major views; a contiguous
     copy), timed by forward hooks over interleaved rounds (hooks add the same call overhead to all three)."""
     config = HybridConfig(**fields)
-    full, plain = HybridLM(config).init_weights(0).eval(), HybridLM(config).init_weights(0).eval()
     names = [b for b in budgets if budgets[b] != Architecture()]
-    models: dict[str, torch.nn.Module] = {}
-    for b in names:
-        models[f"{b}/contiguous"] = budget_model(extract(plain, budgets[b]).eval(), Architecture())
-        models[f"{b}/group-major"] = budget_model(plain, budgets[b])
-    registry = BudgetRegistry(full, budgets, nested=True)
-    for b in names:
-        models[f"{b}/nested"] = registry.get(b)
+    models = layout_cases(config, budgets, names)
     spent: dict[tuple[str, str], float] = {}
     started: dict[tuple[str, str], float] = {}
     handles = []
@@ -299,9 +301,10 @@ def mamba_projection_times(fields: dict, budgets: dict[str, Architecture], args)
     steps = (args.rounds + 1) * (args.steps + 2)  # every decode step each case ran (warm-up ones too)
     for h in handles:
         h.remove()
-    return [{"budget": b, "layout": layout, "in_proj_ms": 1e3 * spent[(f"{b}/{layout}", "in_proj")] / steps,
-             "out_proj_ms": 1e3 * spent[(f"{b}/{layout}", "out_proj")] / steps}
-            for b in names for layout in ("nested", "group-major", "contiguous")]  # fmt: skip
+    case = {"nested": "{}", "group-major": "{}/group-major", "contiguous": "{}/contiguous"}
+    return [{"budget": b, "layout": layout, "in_proj_ms": 1e3 * spent[(key.format(b), "in_proj")] / steps,
+             "out_proj_ms": 1e3 * spent[(key.format(b), "out_proj")] / steps}
+            for b in names for layout, key in case.items()]  # fmt: skip
 
 
 def profile_step(fields: dict, arch: Architecture, prompt: int, steps: int, rows: int = 12) -> str:
@@ -336,10 +339,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
     p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
     p.add_argument("--projections", action="store_true", help="also time the large model's Mamba projections")
+    p.add_argument("--nest-min-bytes", type=int, default=None,
+                   help="override nested_layout.NEST_MIN_BYTES (0: nest every layer, demo too)")  # fmt: skip
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch.manual_seed(0)
+    if args.nest_min_bytes is not None:
+        nested_layout.NEST_MIN_BYTES = args.nest_min_bytes
     load = os.getloadavg()
     bw = bandwidth(args.threads)
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s "

@@ -61,12 +61,6 @@ def _storage_order(config: HybridConfig, tiers: list[int]) -> tuple[Tensor, Tens
     return torch.cat(rows), torch.cat(cols)
 
 
-def _inverse(perm: Tensor) -> Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel())
-    return inv
-
-
 def _order_or_none(order: Tensor) -> Tensor | None:
     """``order``, or None when it is the identity (then no gather is needed)."""
     return None if torch.equal(order, torch.arange(order.numel())) else order
@@ -76,11 +70,34 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     return None if t is None else t.to(device)
 
 
+def _positions(index: Tensor, size: int) -> Tensor:
+    """(size,) map from a value of ``index`` to its position in ``index`` (other entries undefined)."""
+    pos = torch.empty(size, dtype=torch.long)
+    pos[index] = torch.arange(index.numel())
+    return pos
+
+
+def _prefix_view(layer: nn.Module, rows: int, cols: int, bias_len: int, kept: int, order: Tensor | None,
+                 share: bool) -> nn.Module:  # fmt: skip
+    """A layer of ``layer``'s kind (TieredRows / TieredCols) over ``weight_t[:rows, :cols]``, the bias prefix
+    ``[:bias_len]``, and ``order`` with the first ``kept`` storage indices (``share``: the layer's own order
+    and index, the same tensors)."""
+    index = layer.storage_rows if type(layer) is TieredRows else layer.storage_cols
+    bias = layer.bias.detach()[:bias_len] if layer.bias is not None else None
+    if share:
+        order = layer.order
+    else:
+        order, index = _on(order, index.device), index[:kept]
+    return type(layer)(layer.weight_t.detach()[:rows, :cols], bias, order, index)
+
+
 NEST_MIN_BYTES = 1 << 20
 """``in_proj`` bytes from which :func:`nest_mamba_projections` re-lays a layer out. Below about a megabyte
 (the L2 cache here) a decode step is operator overhead, and the two gathers the layout adds to the full
-budget cost more than contiguous rows save: on the demo parent (84 KB per ``in_proj``) the nested full
-budget ran 7% slower, while on a 19 MB ``in_proj`` every budget, full included, ran faster."""
+budget are not paid back: on the demo parent (84 KB per ``in_proj``) the nested full budget ran 0.98x as
+fast as group-major, medium and small 1.07x / 1.14x (``benchmarks/bench_budget_decode.py --skip-large
+--nest-min-bytes 0``). The threshold keeps the full budget, which serves most traffic, on its own path
+there; on a 19 MB ``in_proj`` the layout speeds every budget but full, which it leaves as fast."""
 
 
 @torch.no_grad()
@@ -111,7 +128,7 @@ def nest_mamba_projections(
     w_out, b_out = mixer.out_proj.weight.detach(), mixer.out_proj.bias
     storage_out = w_out.t().index_select(0, cols.to(w_out.device))
     device = w_in.device
-    order_in, order_out = _order_or_none(_inverse(rows)), _order_or_none(cols)
+    order_in, order_out = _order_or_none(_positions(rows, rows.numel())), _order_or_none(cols)
     mixer.in_proj = TieredRows(storage_in, bias_in, _on(order_in, device), rows.to(device))
     bias_out = b_out.detach() if b_out is not None else None
     mixer.out_proj = TieredCols(storage_out, bias_out, _on(order_out, device), cols.to(device))
@@ -132,27 +149,11 @@ def tiered_view(src: nn.Module, config: HybridConfig, keep: int, hidden: int) ->
     if not (torch.equal(rows_in[:n_in].sort().values, want_rows.sort().values)):
         raise ValueError(f"{keep} Mamba heads ({keep // config.n_groups} per group) are not a tier of this nested "
                          "layout; build the registry with every budget that will be served")  # fmt: skip
-    device = src.in_proj.weight_t.device
-    pos_in = torch.empty(config.mamba_in_proj_dim, dtype=torch.long)
-    pos_in[rows_in[:n_in]] = torch.arange(n_in)
-    order_in = _order_or_none(pos_in[want_rows])
-    pos_ch = torch.empty(d, dtype=torch.long)
-    pos_ch[ch] = torch.arange(n_out)
-    order_out = _order_or_none(pos_ch[cols_out[:n_out]])
-    src_in, src_out = src.in_proj, src.out_proj
-    same = n_in == rows_in.numel()  # every head kept: the parent's own orders (shared, no new bytes)
-    bias_in = src_in.bias.detach()[:n_in] if src_in.bias is not None else None
-    in_proj = TieredRows(
-        src_in.weight_t.detach()[:hidden, :n_in], bias_in,
-        src_in.order if same else _on(order_in, device),
-        src_in.storage_rows if same else rows_in[:n_in].to(device),
-    )  # fmt: skip
-    bias_out = src_out.bias.detach()[:hidden] if src_out.bias is not None else None
-    out_proj = TieredCols(
-        src_out.weight_t.detach()[:n_out, :hidden], bias_out,
-        src_out.order if same else _on(order_out, device),
-        src_out.storage_cols if same else cols_out[:n_out].to(device),
-    )  # fmt: skip
+    order_in = _order_or_none(_positions(rows_in[:n_in], config.mamba_in_proj_dim)[want_rows])
+    order_out = _order_or_none(_positions(ch, d)[cols_out[:n_out]])
+    every_head = n_in == rows_in.numel()  # the parent's own orders then (shared, no new bytes)
+    in_proj = _prefix_view(src.in_proj, hidden, n_in, n_in, n_in, order_in, every_head)
+    out_proj = _prefix_view(src.out_proj, n_out, hidden, hidden, n_out, order_out, every_head)
     return in_proj, out_proj
 
 
