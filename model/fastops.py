@@ -19,7 +19,7 @@ _EPS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
 
 
 def _eps_tensor(eps: float, like: Tensor) -> Tensor:
-    """A (1, 1) tensor holding ``eps`` (the ``input`` of an ``addmm``), one per (eps, dtype, device)."""
+    """A (1, 1) tensor holding ``eps`` (the ``input`` of an ``addcmul``), one per (eps, dtype, device)."""
     key = (eps, like.dtype, like.device)
     t = _EPS.get(key)
     if t is None:
@@ -30,31 +30,17 @@ def _eps_tensor(eps: float, like: Tensor) -> Tensor:
 def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim of x: (rows, d) -> (rows, d).
 
-    One row (a batch-1 decode step): ``mean(x^2) + eps`` is a single ``addmm`` (x @ x^T scaled by 1/d,
-    plus eps), then rsqrt and two products: 4 dispatches instead of ``F.rms_norm``'s 7 (it is a
-    composite on CPU). Several rows: ``x^2 @ ones / d + eps``, one more. The sums run in another
-    order than ``mean``: equal to float rounding.
+    ``mean(x^2) + eps`` is ``n * n / d + eps`` with n the row's Euclidean norm: one ``vector_norm``
+    reduction and one ``addcmul`` onto a cached eps, then rsqrt and two products, 5 dispatches where
+    ``F.rms_norm`` (a composite on CPU) takes 7. The sum of squares as a GEMV (``addmm`` against a ones
+    column) takes as many dispatches but is slower: ``addmm`` first copies its broadcast eps into the
+    output. The norm squared differs from ``mean(x^2)`` by float rounding only.
     """
-    if x.shape[0] == 1:
-        r = torch.addmm(_eps_tensor(eps, x), x, x.t(), alpha=1.0 / x.shape[-1]).rsqrt_()
-    elif x.dim() == 2:
-        # Several rows: the row sums of x^2 as one GEMV against a ones column (5 dispatches in all).
-        r = torch.addmm(_eps_tensor(eps, x), x.square(), _ones_column(x), alpha=1.0 / x.shape[-1]).rsqrt_()
-    else:
+    if x.dim() != 2:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (rows, 1)
+    r = torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
     return x * r if weight is None else torch.mul(x, weight).mul_(r)
-
-
-_ONES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
-
-
-def _ones_column(x: Tensor) -> Tensor:
-    """A (d, 1) column of ones for ``x`` of shape (rows, d), one per (d, dtype, device)."""
-    key = (x.shape[-1], x.dtype, x.device)
-    t = _ONES.get(key)
-    if t is None:
-        t = _ONES[key] = torch.ones((x.shape[-1], 1), dtype=x.dtype, device=x.device)
-    return t
 
 
 def _hooked(module: nn.Module) -> bool:

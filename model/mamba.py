@@ -183,7 +183,7 @@ class Mamba2Mixer(nn.Module):
 
         Returns ``taps_t`` (K, conv_dim), the conv weight time-major and contiguous; ``taps_c`` (conv_dim, K, 1),
         a view of it; the conv bias as ``bias`` (conv_dim,) and ``bias_c`` (conv_dim, 1, 1), or None; ``A``
-        (H, 1) = -exp(A_log); ``D_flat`` (d_inner,) = D repeated over each head's channels.
+        (H, 1, 1) = -exp(A_log); ``D_flat`` (d_inner,) = D repeated over each head's channels.
         The key holds every source's storage pointer (a replaced tensor) and the version counters of those
         whose values are copied (an in-place update: optimiser step, ``load_state_dict``), so a step pays
         neither the copies nor the view operators. Parameters are read from ``_parameters`` / ``_modules``:
@@ -213,7 +213,7 @@ class Mamba2Mixer(nn.Module):
                 w.reshape(c, -1, 1),
                 None if bias is None else bias.detach(),
                 None if bias is None else bias.detach().view(c, 1, 1),
-                -torch.exp(a_log.detach().float()).view(h, 1),
+                -torch.exp(a_log.detach().float()).view(h, 1, 1),
                 d.detach().repeat_interleave(self.head_dim),
             )
             self._derived_key = key
@@ -256,11 +256,12 @@ class Mamba2Mixer(nn.Module):
             conv_state = window[:, 1:].transpose(1, 2)
         gn, h, p, g, n = self.n_groups * self.state_size, self.num_heads, self.head_dim, self.n_groups, self.state_size
         x, B, C = F.silu(conv, inplace=True).split_with_sizes([self.d_inner, gn, gn], -1)
-        dt = F.softplus(dt + self._parameters["dt_bias"]).clamp_(self.dt_min, self.dt_max).view(b, h, 1)
+        dt = F.softplus(dt + self._parameters["dt_bias"]).clamp_(self.dt_min, self.dt_max).view(b, h, 1, 1)
         # SSM update in place (ssd_step_inplace's arithmetic): decay, then += dt * x (outer) B per group;
         # y = state . C + D * x. The heads of a group are the rows of one (hpg * p, n) block per batch row.
-        ssm.mul_(torch.exp(dt * A).unsqueeze(-1))
-        xdt = x.view(b, h, p) * dt
+        # dt and A are shaped to broadcast over (b, h, p, n) as they are: no view operators in between.
+        ssm.mul_(torch.exp(dt * A))
+        xdt = x.view(b, h, p, 1) * dt  # (b, h, p, 1)
         if ssm.numel() >= _ELEMENTWISE_STATE:
             # broadcast multiply-add and a last-dim dot product: batched (rows, n) x (n, 1) GEMVs of tiny
             # matrices cost 2-3x more (measured at batch 16 and on 32 heads of 64 x 64 at batch 1)

@@ -13,6 +13,11 @@ def relu2(x: Tensor) -> Tensor:
     return F.relu(x).square()
 
 
+def relu2_(x: Tensor) -> Tensor:
+    """Squared ReLU in place, for a fresh tensor autograd does not track (a decode step's GEMM output)."""
+    return x.relu_().square_()
+
+
 class MLP(nn.Module):
     """``down_proj(relu(up_proj(x))^2)``; input/output (..., hidden)."""
 
@@ -35,4 +40,4 @@ class MLP(nn.Module):
         projection's GEMM.
         """
         modules = self._modules  # not self.up_proj: a module attribute costs a failed lookup first
-        return linear(modules["down_proj"], linear(modules["up_proj"], x).relu_().square_(), residual)
+        return linear(modules["down_proj"], relu2_(linear(modules["up_proj"], x)), residual)

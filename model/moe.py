@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import HybridConfig
-from model.mlp import MLP, relu2
+from model.mlp import MLP, relu2, relu2_
 
 RoutingObserver = Callable[[Tensor, Tensor, Tensor], None]
 """Called with (indices (T, k), weights (T, k), expert output L2 norms (T, k)) when set."""
@@ -114,6 +114,24 @@ class TopKRouter(nn.Module):
         if expert_mask is not None:
             w = w * expert_mask.float()[idx]
         return idx, w * self.scaling if self.scaling != 1.0 else w  # x * 1.0 == x: skip the op
+
+    def decode_mix(self, x: Tensor) -> Tensor:
+        """The routing of a decode step as a dense (T, E) matrix: the weights :meth:`forward` gives, placed at
+        the chosen experts' columns, zeros elsewhere (what :meth:`Experts._dense` builds from idx and weights).
+
+        For float32 rows, no expert mask and no grouped routing, autograd off; x: (T, hidden). The
+        renormalisation and scaling run in place on the gathered weights and the scatter writes straight
+        into the mix, so there are no temporaries and no dtype cast; the values equal :meth:`forward`'s up
+        to float rounding.
+        """
+        scores = torch.sigmoid(F.linear(x, self._parameters["weight"]))  # (T, E)
+        idx = torch.topk(scores + self._buffers["e_score_correction_bias"], self.top_k).indices
+        w = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
+        if self.scaling != 1.0:
+            w = w.mul_(self.scaling)
+        return torch.zeros_like(scores).scatter_(1, idx, w)
 
 
 class Experts(nn.Module):
@@ -245,12 +263,9 @@ class Experts(nn.Module):
         matmul and a sum. ``residual`` (T, hidden), when given, is added by that GEMM.
         """
         t, k = idx.shape
-        up, down = self._parameters["up_proj"], self._parameters["down_proj"]
-        e, f, h = up.shape
-        if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
-            act = relu2(x @ up.view(e * f, h).t()).view(t, e, f)
-        else:  # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
-            act = relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
+        down = self._parameters["down_proj"]
+        e = down.shape[0]
+        act = self._every_expert_up(x, relu2)
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
         if observer is not None:
@@ -259,6 +274,21 @@ class Experts(nn.Module):
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
         mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
         return self._mix_down(act, mix, residual)
+
+    def _every_expert_up(self, x: Tensor, activation: Callable[[Tensor], Tensor]) -> Tensor:
+        """Every expert's activated up projection of every token: x (T, hidden) -> (T, E, F), any layout."""
+        up = self._parameters["up_proj"]
+        e, f, h = up.shape
+        if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
+            return activation(torch.mm(x, up.view(e * f, h).t())).view(x.shape[0], e, f)
+        # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
+        return activation(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
+
+    def decode_dense(self, x: Tensor, mix: Tensor, residual: Tensor) -> Tensor:
+        """:meth:`_dense` for a decode step, autograd off: x (T, hidden), mix (T, E) from
+        :meth:`TopKRouter.decode_mix`, residual (T, hidden) added by the down projection -> (T, hidden).
+        The activation runs in place on the fresh GEMM output."""
+        return self._mix_down(self._every_expert_up(x, relu2_), mix, residual)
 
     def _mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
         """Scale every expert's activations by its routing weight and project down, summing over experts.
@@ -340,9 +370,9 @@ class MoE(nn.Module):
         """
         e, f, h = experts._parameters["up_proj"].shape
         base = residual if shared is None else shared.decode_step(x, residual)
-        idx, w = gate(x)
         if expert_path(x.shape[0], gate.top_k, e, f, h) == "dense":
-            return experts._dense(x, idx, w, None, None, base)
+            return experts.decode_dense(x, gate.decode_mix(x), base)
+        idx, w = gate(x)
         return experts(x, idx, w).add_(base)
 
     def forward(
