@@ -125,7 +125,7 @@ class TopKRouter(nn.Module):
         to float rounding.
         """
         scores = torch.sigmoid(F.linear(x, self._parameters["weight"]))  # (T, E)
-        idx = torch.topk(scores + self._buffers["e_score_correction_bias"], self.top_k).indices
+        idx = torch.topk(scores + self._buffers["e_score_correction_bias"], self.top_k, sorted=False).indices
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
@@ -252,7 +252,6 @@ class Experts(nn.Module):
         weights: Tensor,
         ffn_mask: Tensor | None,
         observer: RoutingObserver | None,
-        residual: Tensor | None = None,
     ) -> Tensor:
         """Every expert on every token, mixed with the routing weights (zero for unselected experts).
 
@@ -260,7 +259,7 @@ class Experts(nn.Module):
         of sort + bincount + gather + a loop over experts + scatter. The routing weights scale the (T, E, F)
         activations before the down projection, so the down projection sums over experts by itself: one
         GEMM over the (E * F) inputs when the stacked ``down_proj`` is stored inputs-major, else a batched
-        matmul and a sum. ``residual`` (T, hidden), when given, is added by that GEMM.
+        matmul and a sum.
         """
         t, k = idx.shape
         down = self._parameters["down_proj"]
@@ -273,7 +272,7 @@ class Experts(nn.Module):
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
         mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
-        return self._mix_down(act, mix, residual)
+        return self._mix_down(act, mix)
 
     def _every_expert_up(self, x: Tensor, activation: Callable[[Tensor], Tensor]) -> Tensor:
         """Every expert's activated up projection of every token: x (T, hidden) -> (T, E, F), any layout."""
