@@ -1,16 +1,24 @@
 """Checkpoint I/O in the Hugging Face ``nemotron_h`` layout: safetensors + config.json.
 
-Loading accepts both key prefixes (``backbone.`` from the original release,
-``model.`` from transformers) and both expert layouts (one tensor per expert,
+Loading reads what transformers' ``save_pretrained`` and the model's publisher write:
+both key prefixes (``backbone.`` from the original release and transformers' own
+writer, ``model.``), both expert layouts (one tensor per expert,
 ``mixer.experts.{j}.up_proj.weight``, or stacked 3-D ``mixer.experts.up_proj``),
-single-file or sharded (``model.safetensors.index.json``). Every tensor is checked
-against the config: missing, unexpected and mis-shaped tensors are all reported by
-name, and no model is returned half-loaded. Only safetensors are read: nothing is
-ever unpickled.
+single-file or sharded (``model.safetensors.index.json``), any floating dtype (kept
+as stored unless a ``dtype`` is asked; the router's ``e_score_correction_bias`` is
+always float32, as transformers keeps it), tied embeddings (``tie_word_embeddings``
+with no ``lm_head.weight`` in the files: ``lm_head`` starts as a copy of the
+embedding), and multi-token-prediction tensors (``mtp.*``, skipped like transformers
+does). Every tensor is checked against the config: missing, unexpected and
+mis-shaped tensors are all reported by name, and no model is returned half-loaded.
+Only safetensors are read: nothing is ever unpickled. Tensors are read one at a time
+(:func:`iter_views` / :func:`iter_tensors`) and each is copied once, per-expert tensors
+straight into their stacked tensor, so loading holds one copy of the weights, not two.
 
 Saving writes into a temporary sibling folder and renames it into place, so a
 crash never leaves a half-written checkpoint; ``manifest.json`` records the
-SHA-256 of every file and is verified on load.
+SHA-256 of every file and is verified on load when present (a folder written by
+transformers has none and loads unchecked).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from model.config import HybridConfig
+from model.config import HybridConfig, read_hf_json
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,6 +46,8 @@ CONFIG_NAME = "config.json"
 MANIFEST_NAME = "manifest.json"
 
 _PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_MTP_PREFIX = "mtp."  # multi-token-prediction heads: transformers' NemotronH ignores them on load too
+_FP32_TENSORS = ("e_score_correction_bias",)  # kept float32 whatever the file or requested dtype
 
 
 class CheckpointError(ValueError):
@@ -100,11 +110,17 @@ def atomic_folder(target: Path) -> tuple[Path, Callable[[], Path]]:
 
 
 # ---------------------------------------------------------------------- key mapping
-def to_canonical(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename ``backbone.`` to ``model.`` and stack per-expert tensors into (E, out, in)."""
+def to_canonical(tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """Rename ``backbone.`` to ``model.`` and stack per-expert tensors (out, in) into (E, out, in).
+
+    ``tensors`` is a mapping or an iterable of ``(file key, tensor)`` pairs (e.g. :func:`iter_tensors`);
+    per-expert tensors are released group by group as they are stacked, so the peak is the
+    weights plus one stacked projection of one layer.
+    """
     out: dict[str, Tensor] = {}
     experts: dict[tuple[str, str], dict[int, Tensor]] = {}
-    for key, value in tensors.items():
+    pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+    for key, value in pairs:
         if key.startswith("backbone."):
             key = "model." + key[len("backbone.") :]
         m = _PER_EXPERT.match(key)
@@ -112,11 +128,12 @@ def to_canonical(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
         else:
             out[key] = value
-    for (prefix, proj), per in experts.items():
+    while experts:
+        (prefix, proj), per = experts.popitem()
         ids = sorted(per)
         if ids != list(range(len(ids))):
             raise CheckpointError(f"{prefix}.*.{proj}.weight: expert indices {ids} are not 0..{len(ids) - 1}")
-        out[f"{prefix}.{proj}"] = torch.stack([per[i] for i in ids])
+        out[f"{prefix}.{proj}"] = torch.stack([per.pop(i) for i in ids])
     return out
 
 
@@ -138,28 +155,87 @@ def from_canonical(
 
 
 # ---------------------------------------------------------------------- reading files
-def read_tensors(folder: Path) -> dict[str, Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint."""
-    files: Iterable[Path]
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in read order.
+
+    ``model.safetensors.index.json`` (sharded, as ``save_pretrained(max_shard_size=...)`` writes) names
+    the shards; otherwise ``model.safetensors``; otherwise every ``*.safetensors`` file. Raises
+    :class:`CheckpointError` for a folder without weights or an index naming a missing shard.
+    """
+    folder = Path(folder)
     if (folder / INDEX_NAME).exists():
-        index = json.loads((folder / INDEX_NAME).read_text())
-        files = sorted({folder / f for f in index["weight_map"].values()})
-    elif (folder / WEIGHTS_NAME).exists():
-        files = [folder / WEIGHTS_NAME]
-    else:
-        found = sorted(folder.glob("*.safetensors"))
-        if not found:
-            raise CheckpointError(f"{folder}: no *.safetensors file (only safetensors checkpoints are read)")
-        files = found
-    tensors: dict[str, Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                # Copied out of the file mapping: a tensor left in it keeps the whole mapping alive, and
-                # every page a relayout or a forward pass has read then stays resident beside the copies
-                # (a replica serving a 610 MB model measured 1.3 GB).
-                tensors[key] = fh.get_tensor(key).clone()
-    return tensors
+        try:
+            weight_map = json.loads((folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(
+                f"{folder / INDEX_NAME}: unreadable shard index ({err}); expected a 'weight_map'"
+            ) from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{folder}: shards {missing} named in {INDEX_NAME} are missing")
+        return files
+    if (folder / WEIGHTS_NAME).exists():
+        return [folder / WEIGHTS_NAME]
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"{folder}: no *.safetensors file (only safetensors checkpoints are read)")
+    return found
+
+
+REOPEN_BYTES = 64 << 20
+"""Bytes read through one opening of a weight file before it is closed and reopened.
+
+safetensors reads through a memory mapping, and every page read stays resident until the mapping
+is closed: one opening per file would keep a whole single-file checkpoint in memory beside the
+copies made from it (twice the weights at the end of a load)."""
+
+
+def iter_views(folder: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(file key, view)`` for every tensor of a single-file or sharded checkpoint, in file order.
+
+    A view reads straight from the file mapping: copy (or convert) it before asking for the next
+    one. Each file is closed and reopened every :data:`REOPEN_BYTES`, so at most that much of it
+    stays mapped. A key found in two files raises :class:`CheckpointError`.
+    """
+    seen: dict[str, str] = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as fh:
+            keys = list(fh.keys())  # noqa: SIM118 - safe_open is not iterable
+        i = 0
+        while i < len(keys):
+            with safe_open(str(path), framework="pt") as fh:
+                read = 0
+                while i < len(keys) and read < REOPEN_BYTES:
+                    key = keys[i]
+                    i += 1
+                    if key in seen:
+                        raise CheckpointError(f"{folder}: tensor {key} is stored twice ({seen[key]} and {path.name})")
+                    seen[key] = path.name
+                    view = fh.get_tensor(key)
+                    read += view.numel() * view.element_size()
+                    yield key, view
+                    del view
+
+
+def iter_tensors(folder: str | Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(file key, tensor)`` for every tensor of a single-file or sharded checkpoint, one at a time.
+
+    Keys are as stored (``backbone.`` or ``model.`` prefix, experts as stored). Each tensor is the
+    caller's own copy, in its stored dtype or, for floating tensors, in ``dtype`` (converted straight
+    out of the file: one copy). Copies, not views: a tensor left in the file mapping keeps the whole
+    mapping alive, and every page a relayout or a forward pass has read then stays resident beside
+    the copies (a replica serving a 610 MB model measured 1.3 GB). A consumer that places each
+    tensor and drops it holds about one tensor, plus at most :data:`REOPEN_BYTES` of mapped file.
+    """
+    for key, view in iter_views(folder):
+        floating = dtype is not None and view.is_floating_point()
+        yield key, (view.to(dtype, copy=True) if floating else view.clone())
+
+
+def read_tensors(folder: str | Path) -> dict[str, Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint, keys as stored."""
+    return dict(iter_tensors(folder))
 
 
 def check_state(expected: dict[str, Tensor], got: dict[str, Tensor], where: str) -> None:
@@ -183,25 +259,105 @@ def check_state(expected: dict[str, Tensor], got: dict[str, Tensor], where: str)
 
 
 # ---------------------------------------------------------------------- public API
-def load_model(path: str | Path, dtype: torch.dtype | None = None):
-    """Build a :class:`~model.hybrid.HybridLM` from a checkpoint folder; all-or-nothing."""
-    from model.hybrid import HybridLM
+def read_config(path: str | Path) -> tuple[HybridConfig, dict[str, Any]]:
+    """``(config, raw config.json dict)`` of a checkpoint folder; the raw dict has tagged floats decoded.
 
+    Raises :class:`CheckpointError` when ``config.json`` is missing and ``ValueError`` naming the field
+    when it is not a valid ``nemotron_h`` config.
+    """
     folder = Path(path)
     if not (folder / CONFIG_NAME).exists():
         raise CheckpointError(f"{folder}: no {CONFIG_NAME}")
+    raw = read_hf_json(folder / CONFIG_NAME)
+    try:
+        return HybridConfig.from_hf_dict(raw), raw
+    except ValueError as err:
+        raise ValueError(f"{folder / CONFIG_NAME}: {err}") from None
+
+
+def _loaded_copy(key: str, view: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """An owned copy of ``view`` as :func:`load_model` holds it (floating: ``dtype``, router bias: float32)."""
+    if not view.is_floating_point():
+        return view.clone()
+    return view.to(_target_dtype(key, view, dtype), copy=True)
+
+
+def _target_dtype(key: str, view: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return torch.float32 if key.endswith(_FP32_TENSORS) else (dtype or view.dtype)
+
+
+def _read_state(folder: Path, expected: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    """The checkpoint's tensors under our names (``model.`` prefix, stacked experts), each copied once.
+
+    A per-expert tensor (``...mixer.experts.{j}.up_proj.weight``, what transformers writes) is copied
+    straight into slot ``j`` of its stacked (E, out, in) tensor, so no per-expert copies sit beside
+    the stacked ones. ``expected`` (the config's state, e.g. on the meta device) gives the stacked
+    shapes; per-expert tensors that do not fit it raise :class:`CheckpointError` naming them.
+    """
+    out: dict[str, Tensor] = {}
+    filled: dict[str, set[int]] = {}
+    misfits: list[str] = []
+    for key, view in iter_views(folder):
+        if key.startswith(_MTP_PREFIX):
+            continue
+        if key.startswith("backbone."):
+            key = "model." + key[len("backbone.") :]
+        m = _PER_EXPERT.match(key)
+        if m:
+            name, j = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+            ref = expected.get(name)
+            if ref is None or ref.dim() != 3 or j >= ref.shape[0] or tuple(view.shape) != tuple(ref.shape[1:]):
+                misfits.append(
+                    f"{key} {tuple(view.shape)} vs config {name} {tuple(ref.shape) if ref is not None else None}"
+                )
+                continue
+            if name in out and name not in filled:
+                raise CheckpointError(f"{folder}: {name} is stored both stacked and per expert")
+            if name not in out:
+                out[name] = torch.empty(ref.shape, dtype=_target_dtype(name, view, dtype))
+                filled[name] = set()
+            out[name][j].copy_(view)
+            filled[name].add(j)
+            continue
+        if key in out:
+            raise CheckpointError(f"{folder}: {key} is stored both stacked and per expert")
+        out[key] = _loaded_copy(key, view, dtype)
+    for name, got in filled.items():
+        absent = sorted(set(range(expected[name].shape[0])) - got)
+        if absent:
+            misfits.append(f"{name}: no tensor for experts {absent}")
+    if misfits:
+        raise CheckpointError(f"{folder}: per-expert tensors that do not fit the config: " + "; ".join(misfits[:20]))
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None):
+    """Build a :class:`~model.hybrid.HybridLM` from a checkpoint folder; all-or-nothing.
+
+    ``dtype=None`` keeps every tensor in its stored dtype (bf16 files give a bf16 model); a ``dtype``
+    converts floating tensors as they are read. The router's ``e_score_correction_bias`` is float32
+    either way. Each tensor is copied once out of the files (see :func:`_read_state`). See the
+    module docstring for the layouts accepted.
+    """
+    from model.hybrid import HybridLM
+
+    folder = Path(path)
+    config, raw = read_config(folder)
     verify_manifest(folder)
-    config = HybridConfig.from_json_file(folder / CONFIG_NAME)
-    tensors = to_canonical(read_tensors(folder))
     with torch.device("meta"):
         model = HybridLM(config)
     expected = model.state_dict()
+    tensors = _read_state(folder, expected, dtype)
+    if "lm_head.weight" not in tensors and "model.embeddings.weight" in tensors:
+        if not raw.get("tie_word_embeddings"):
+            raise CheckpointError(
+                f"{folder}: no lm_head.weight in the files and {CONFIG_NAME} does not set tie_word_embeddings; "
+                "set it to true if the model ties its output layer to the embedding, or add the tensor"
+            )
+        # A tied checkpoint stores the matrix once. Our lm_head is a separate parameter (training may move it
+        # away from the embedding), so it starts as a copy and the config is written back untied.
+        tensors["lm_head.weight"] = tensors["model.embeddings.weight"].clone()
     check_state(expected, tensors, str(folder))
-    if dtype is not None:
-        tensors = {
-            k: (v if k.endswith("e_score_correction_bias") else v.to(dtype)) if v.is_floating_point() else v
-            for k, v in tensors.items()
-        }
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.eval()
 

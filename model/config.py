@@ -6,11 +6,21 @@ network computes. ``from_hf_dict`` / ``to_hf_dict`` translate to and from the
 
 * the layer layout is accepted as the ``hybrid_override_pattern`` string
   (``M`` Mamba2, ``*`` attention, ``E`` MoE, ``-`` dense MLP) or as the
-  ``layers_block_type`` list (current names ``linear_attention`` /
-  ``full_attention`` / ``moe`` / ``mlp`` or the legacy ``mamba`` / ``attention``);
-* legacy Mamba field names (``mamba_n_groups``, ``mamba_d_conv``, ...) are renamed;
+  ``layers_block_type`` list (alias ``layer_types``; current names
+  ``linear_attention`` / ``full_attention`` / ``moe`` / ``mlp`` or the legacy
+  ``mamba`` / ``attention``);
+* infinities are accepted in every spelling a writer uses: the JSON extension
+  ``Infinity`` (Python's ``json``), transformers 5's tagged object
+  ``{"__float__": "Infinity"}``, or a huge float (>= 1e30, what :meth:`to_hf_dict`
+  writes so that strict JSON readers can parse the file);
+* legacy field names (``mamba_n_groups``, ``mamba_d_conv``, ``attention_head_dim``,
+  ...) are renamed;
 * bookkeeping keys that do not change the computation (``architectures``,
-  ``torch_dtype``, ``use_cache``, ...) are kept verbatim and written back;
+  ``torch_dtype``, ``use_cache``, publishers' unused ``rope_theta`` / ``norm_eps``,
+  ...) are kept verbatim and written back;
+* ``tie_word_embeddings`` is read by the checkpoint loader (which copies the
+  embedding into ``lm_head`` when the files hold no ``lm_head.weight``) and is not
+  kept: the model always owns a separate ``lm_head``, so it is written back false;
 * any other key is an error that names it, so a typo never silently falls back
   to a default.
 """
@@ -26,6 +36,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 LAYER_KINDS: dict[str, str] = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
 """Pattern character -> our layer kind."""
+
+# transformers' tagged encoding of floats JSON cannot hold (transformers >= 5 writes ``inf`` this way).
+_FLOAT_TAG = "__float__"
+_FLOAT_TAG_VALUES = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+HUGE_FLOAT = 1e30
+"""Finite stand-in for an infinite limit in the JSON we write; read back as ``inf``."""
 
 # transformers' current list spelling, and the legacy one still found on the Hub.
 _HF_LIST_NAMES = {"M": "linear_attention", "*": "full_attention", "E": "moe", "-": "mlp"}
@@ -49,6 +65,7 @@ _RENAMED = {
     "mamba_dt_init_floor": "time_step_floor",
     "mamba_conv_bias": "use_conv_bias",
     "mamba_chunk_size": "chunk_size",
+    "attention_head_dim": "head_dim",  # the first Nemotron-H releases' name for head_dim
 }
 
 # Keys a nemotron_h config.json may hold that do not change what the network computes.
@@ -82,10 +99,23 @@ PASSTHROUGH_KEYS = frozenset(
         "output_hidden_states",
         "return_dict",
         "chunk_size_feed_forward",
-        "tie_word_embeddings",
         "quantization_config",
         "output_router_logits",
         "elastic",
+        # written by some transformers releases; bookkeeping only
+        "_name_or_path",
+        "_attn_implementation_autoset",
+        "attn_implementation",
+        "generation_config",
+        # in publishers' nemotron_h configs, read by no nemotron_h implementation: the architecture has no
+        # rotary embedding, its RMSNorms use layer_norm_epsilon, and Mamba2's dt is per head (no dt rank)
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "norm_eps",
+        "rms_norm_eps",
+        "time_step_rank",
     }
 )
 
@@ -198,8 +228,12 @@ class HybridConfig(BaseModel):
     # ------------------------------------------------------------------ HF translation
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> HybridConfig:
-        """Build from a ``nemotron_h`` config dict; unknown keys raise ``ValueError`` naming them."""
-        data = dict(raw)
+        """Build from a ``nemotron_h`` config dict; unknown keys raise ``ValueError`` naming them.
+
+        Accepts what any supported transformers release or the model's publisher writes (module
+        docstring): tagged floats, both layer-layout spellings, legacy names, tied embeddings.
+        """
+        data = decode_special_floats(dict(raw))
         if data.get("model_type", "nemotron_h") != "nemotron_h":
             raise ValueError(f"model_type: expected 'nemotron_h', got {data['model_type']!r}")
         for old, new in _RENAMED.items():
@@ -210,12 +244,16 @@ class HybridConfig(BaseModel):
         n_layers = data.pop("num_hidden_layers", None)
         if n_layers is not None and n_layers != len(pattern):
             raise ValueError(f"num_hidden_layers ({n_layers}) disagrees with the layer pattern ({len(pattern)} layers)")
-        if data.get("tie_word_embeddings"):
-            raise ValueError("tie_word_embeddings: tied embeddings are not supported (nemotron_h unties them)")
+        # The loader materialises a tied lm_head as its own tensor (see model.checkpoint.load_model), so
+        # every model built from this config owns an untied lm_head and the key is written back false.
+        tied = data.pop("tie_word_embeddings", False)
+        if not isinstance(tied, bool):
+            raise ValueError(f"tie_word_embeddings: expected true or false, got {tied!r}")
         passthrough = {k: data.pop(k) for k in list(data) if k in PASSTHROUGH_KEYS}
-        if "time_step_limit" in data and data["time_step_limit"] is not None:
-            # JSON has no infinity: a huge upper limit written by ``to_hf_dict`` reads back as inf.
-            data["time_step_limit"] = tuple(math.inf if float(v) >= 1e30 else float(v) for v in data["time_step_limit"])
+        if "time_step_limit" in data and data["time_step_limit"] is None:
+            del data["time_step_limit"]  # null: transformers' default, (0, inf)
+        if "time_step_limit" in data:
+            data["time_step_limit"] = _read_limit(data["time_step_limit"])
         data.pop("n_groups_moe", None)
         try:
             return cls(pattern=pattern, passthrough=passthrough, **data)
@@ -236,7 +274,7 @@ class HybridConfig(BaseModel):
         out.update(self.passthrough)
         fields = self.model_dump(exclude={"pattern", "passthrough"})
         limit = fields.pop("time_step_limit")
-        fields["time_step_limit"] = [limit[0], limit[1] if math.isfinite(limit[1]) else 1e30]
+        fields["time_step_limit"] = [limit[0], limit[1] if math.isfinite(limit[1]) else HUGE_FLOAT]
         fields.pop("moe_latent_size")
         out.update(fields)
         out["hybrid_override_pattern"] = self.pattern
@@ -248,8 +286,7 @@ class HybridConfig(BaseModel):
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> HybridConfig:
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_hf_dict(json.load(fh))
+        return cls.from_hf_dict(read_hf_json(path))
 
     def to_json_file(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         data = self.to_hf_dict()
@@ -264,11 +301,57 @@ class HybridConfig(BaseModel):
         return HybridConfig(**data)
 
 
+def decode_special_floats(obj: Any) -> Any:
+    """``obj`` with every ``{"__float__": "Infinity" | "-Infinity" | "NaN"}`` replaced by the float, recursively.
+
+    transformers >= 5 writes floats that strict JSON cannot hold as such tagged objects (e.g.
+    ``"time_step_limit": [0.0, {"__float__": "Infinity"}]``); older releases wrote the bare
+    ``Infinity`` token, which ``json.load`` already reads as ``inf``.
+    """
+    if isinstance(obj, dict):
+        if set(obj) == {_FLOAT_TAG}:
+            tag = obj[_FLOAT_TAG]
+            if tag not in _FLOAT_TAG_VALUES:
+                raise ValueError(
+                    f"{{{_FLOAT_TAG!r}: {tag!r}}}: unknown float tag; expected one of {sorted(_FLOAT_TAG_VALUES)}"
+                )
+            return _FLOAT_TAG_VALUES[tag]
+        return {k: decode_special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [decode_special_floats(v) for v in obj]
+    return obj
+
+
+def read_hf_json(path: str | Path) -> dict[str, Any]:
+    """A ``config.json`` as a dict, with transformers' tagged floats decoded (:func:`decode_special_floats`)."""
+    with open(path, encoding="utf-8") as fh:
+        raw = json.load(fh)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return decode_special_floats(raw)
+
+
+def _read_limit(value: Any) -> tuple[float, float]:
+    """``time_step_limit`` as two floats; an upper limit >= :data:`HUGE_FLOAT` (any spelling of inf) is ``inf``."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"time_step_limit: expected [low, high], got {value!r}")
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit: expected two numbers, got {value!r}") from None
+    return low, (math.inf if high >= HUGE_FLOAT else high)
+
+
 def _pattern_from(data: dict[str, Any]) -> str:
     """Pop the layer layout out of ``data`` as a pattern string."""
     pattern = data.pop("hybrid_override_pattern", None)
     blocks = data.pop("layers_block_type", None)
-    data.pop("layer_types", None)
+    # transformers maps ``layer_types`` onto ``layers_block_type`` (attribute_map); some writers use it
+    alias = data.pop("layer_types", None)
+    if blocks is None:
+        blocks = alias
+    elif alias is not None and alias != blocks:
+        raise ValueError(f"layer_types ({alias!r}) disagrees with layers_block_type ({blocks!r}); keep one")
     if blocks is not None:
         if not isinstance(blocks, list):
             raise ValueError("layers_block_type: expected a list of layer type names")
