@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
 from model.cache import HybridCache, empty_cache
@@ -32,9 +33,10 @@ from model.norms import RMSNorm
 
 @dataclass
 class CausalLMOutput:
-    """``logits`` (batch, seq, vocab); ``cache`` when decoding; ``hidden`` (batch, seq, hidden) if asked."""
+    """``logits`` (batch, seq, vocab), None when skipped; ``cache`` when decoding; ``hidden`` (batch, seq, hidden)
+    if asked."""
 
-    logits: Tensor
+    logits: Tensor | None
     cache: HybridCache | None = None
     hidden: Tensor | None = None
 
@@ -128,6 +130,11 @@ class HybridLM(nn.Module):
     """Take :meth:`_decode_step` for single-token cached steps without masks or autograd (False: always the
     general path; the two compute the same function, the general one with many more operators)."""
 
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward (``torch.utils.checkpoint``, non-reentrant) instead
+    of keeping them: a training forward then holds one (batch, seq, hidden) input per block plus one block's
+    intermediates. Same gradients; one extra block forward per block in the backward. Set per instance."""
+
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.config = config
@@ -202,17 +209,21 @@ class HybridLM(nn.Module):
         mask: ModelMask | None = None,
         logits_to_keep: int = 0,
         return_hidden: bool = False,
+        skip_logits: bool = False,
     ) -> CausalLMOutput:
         """input_ids: (batch, seq) long.
 
         ``use_cache=True`` (or passing ``cache``) returns the updated :class:`HybridCache`;
-        ``logits_to_keep=n`` computes logits for the last n positions only (0: all).
+        ``logits_to_keep=n`` computes logits for the last n positions only (0: all);
+        ``skip_logits=True`` returns the final hidden states and no logits (for a loss that applies
+        ``lm_head`` itself, chunk by chunk: :mod:`model.elastic.kd_chunked`).
         """
         if (
             cache is not None
             and mask is None
             and input_ids.shape[1] == 1
             and self.fast_decode
+            and not skip_logits
             and not torch.is_grad_enabled()
             and self._modules["model"]._modules["embeddings"]._parameters["weight"].dtype == torch.float32
         ):
@@ -226,16 +237,20 @@ class HybridLM(nn.Module):
             x = x * hidden_mask.to(x.dtype)
         if self.config.residual_in_fp32:
             x = x.float()
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled() and cache is None
         for i, block in enumerate(self.model.layers):
             lmask = mask.layer(i) if mask is not None else None
-            x = block(x, cache, i, use_cache, hidden_mask, fraction, lmask)
+            if recompute:  # non-reentrant: gradients also reach the mask tensors inside lmask
+                x = checkpoint(block, x, None, i, False, hidden_mask, fraction, lmask, use_reentrant=False)
+            else:
+                x = block(x, cache, i, use_cache, hidden_mask, fraction, lmask)
         if cache is not None:
             cache.seen_tokens += input_ids.shape[1]
         h = self.model.norm_f(x.to(self.model.norm_f.weight.dtype), fraction)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
-        return CausalLMOutput(logits=logits, cache=cache, hidden=h if return_hidden else None)
+        logits = None if skip_logits else self.lm_head(h)
+        return CausalLMOutput(logits=logits, cache=cache, hidden=h if return_hidden or skip_logits else None)
 
     def _decode_step(self, input_ids: Tensor, cache: HybridCache, return_hidden: bool) -> CausalLMOutput:
         """One cached token of a float32 model without masks: input_ids (batch, 1) -> logits (batch, 1, vocab).

@@ -53,12 +53,16 @@ def demo_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) 
 
 
 def real_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) -> ClusterConfig:
-    """Real scale: 8 x H100 per worker node, autoscaled between 1 and 4 nodes, artifacts on S3."""
+    """Real scale: 8 x H100 per worker node, autoscaled between 1 and 8 nodes, artifacts on S3.
+
+    8 nodes hold the 64 one-GPU distillation workers of ``pipelines/configs/real.yaml``; ``star-elastic
+    plan pipelines/configs/real.yaml`` gives their memory per GPU.
+    """
     gpu = WorkerGroup(
         name="gpu-h100",
         replicas=1,
         min_replicas=1,
-        max_replicas=4,
+        max_replicas=8,
         cpus=96,
         memory="960Gi",
         gpus=8,
@@ -78,7 +82,7 @@ def real_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) 
 
 
 def real_serve_app() -> ServeApp:
-    """Serving the registered model: one GPU per replica, 1 to 16 replicas (two of the four nodes)."""
+    """Serving the registered model: one GPU per replica, 1 to 16 replicas (two of the eight nodes)."""
     return ServeApp(
         model_uri="models:/star-elastic@champion",  # the alias the register stage's gate moves
         num_cpus_per_replica=8,
@@ -106,8 +110,52 @@ def to_yaml(docs: Sequence[Mapping[str, Any]]) -> str:
     return header + body
 
 
+def train_workers(pipeline_yaml: str | Path) -> dict[str, tuple[int, str]]:
+    """Ray Train workers of each distillation phase of a pipeline YAML: section -> (workers, "GPU" or "CPU").
+
+    A Ray Train worker group is placed all at once (one GPU, or one CPU, per worker), so the cluster must
+    hold every worker of a phase together. Unset fields take the stage's defaults.
+    """
+    from components.distill.config import DistillConfig
+
+    data = yaml.safe_load(Path(pipeline_yaml).read_text()) or {}
+    defaults = DistillConfig.model_fields
+    out = {}
+    for section in ("distill_phase1", "distill_phase2"):
+        raw = data.get(section) or {}
+        workers = int(raw.get("num_workers", defaults["num_workers"].default))
+        out[section] = (workers, "GPU" if raw.get("use_gpu", defaults["use_gpu"].default) else "CPU")
+    return out
+
+
+def check_cluster_holds(cfg: ClusterConfig, pipeline_yaml: str | Path, job: str) -> None:
+    """Raise ``ValueError`` when a phase of ``pipeline_yaml`` asks for more workers than ``cfg`` can ever hold."""
+    for section, (workers, resource) in train_workers(pipeline_yaml).items():
+        if resource == "GPU":
+            capacity = cfg.max_gpus
+            shape = ", ".join(f"{g.max_replicas} nodes x {g.gpus} GPUs ({g.name})" for g in cfg.worker_groups if g.gpus)
+        else:
+            capacity = int(sum(g.cpus * g.max_replicas for g in cfg.worker_groups))
+            shape = ", ".join(f"{g.max_replicas} nodes x {g.cpus:g} CPUs ({g.name})" for g in cfg.worker_groups)
+        if workers > capacity:
+            raise ValueError(
+                f"{pipeline_yaml}: {section}.num_workers = {workers} {resource} workers, but the cluster of RayJob "
+                f"{job!r} holds at most {capacity} {resource}s ({shape or 'no worker group'}); lower num_workers or "
+                "raise the worker group's max_replicas in components/kuberay/render.py"
+            )
+
+
+PIPELINE_CONFIGS = Path(__file__).resolve().parents[2] / "pipelines" / "configs"
+"""The shipped pipeline configs the committed RayJobs run (as /app/pipelines/configs/ in the image)."""
+
+
 def render_manifests(demo_cfg: ClusterConfig, real_cfg: ClusterConfig) -> dict[str, str]:
-    """File name -> YAML text of every committed manifest."""
+    """File name -> YAML text of every committed manifest.
+
+    Raises ``ValueError`` when a RayJob's pipeline config asks for more training workers than its cluster holds.
+    """
+    check_cluster_holds(demo_cfg, PIPELINE_CONFIGS / "demo.yaml", "star-elastic-demo")
+    check_cluster_holds(real_cfg, PIPELINE_CONFIGS / "real.yaml", "star-elastic-pipeline")
     mlflow = mlflow_server_manifests(
         real_cfg.namespace,
         demo_cfg.image,  # the server needs the project's Python packages, not CUDA

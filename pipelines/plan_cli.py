@@ -1,0 +1,167 @@
+"""``star-elastic plan CONFIG``: the memory, fit and time plan of a pipeline config's distillation phases.
+
+The plan needs only the parent's ``config.json``. It is read from ``--parent-config`` (a file or a
+checkpoint folder), else from the pipeline's ``parent.uri`` (a local folder, or just that one object
+of an ``s3://`` prefix), else from ``pipelines/assets/parent-configs/<last part of parent.uri>.json``:
+copies of the configs of the parents the shipped pipeline configs name, so a team can plan without
+credentials for the bucket. Each distillation section is validated as the stage would validate it
+(defaults filled in), so the plan sees exactly the phase that would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parent / "assets" / "parent-configs"
+
+
+def add_plan_parser(sub: Any) -> None:
+    """Register the ``plan`` subcommand on the CLI's subparsers."""
+    p = sub.add_parser("plan", help="per-rank memory, fit verdict, time and tokens of every distillation phase")
+    p.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/real.yaml")
+    p.add_argument("--gpus", type=int, help="ranks to plan for (default: each phase's num_workers)")
+    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one accelerator in GB (default 80)")
+    p.add_argument("--host-mem", type=float, default=960.0, help="host memory of one node in GB (default 960)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per accelerator (H100: 989)")
+    p.add_argument("--utilization", type=float, default=0.4, help="fraction of the peak sustained (default 0.4)")
+    p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when the phases use GPUs, else cpu")
+    p.add_argument("--parent-config", help="the parent's config.json (or its checkpoint folder)")
+    p.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
+    p.add_argument("--kd-chunk", type=int, default=1024, help="token rows per KD loss chunk (default 1024)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': print JSON instead of tables)")
+    p.add_argument("--tracking-uri", help="log the plan into a new MLflow run 'plan' of the config's experiment")
+    p.set_defaults(func=cmd_plan)
+
+
+def parent_config_path(parent_uri: str | None, override: str | None) -> Path:
+    """Where the parent's ``config.json`` is read from (see the module docstring for the order)."""
+    if override:
+        path = Path(override)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"--parent-config {override}: no config.json there")
+        return path
+    if not parent_uri:
+        raise ValueError(
+            "parent.uri is null (the pipeline trains its parent): pass --parent-config with the parent's config.json"
+        )
+    from components.storage import is_s3
+
+    if not is_s3(parent_uri):
+        path = Path(parent_uri) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"parent.uri {parent_uri}: no config.json; pass --parent-config")
+        return path
+    fetched = _fetch_s3_config(parent_uri)
+    if fetched is not None:
+        return fetched
+    bundled = ASSETS / f"{parent_uri.rstrip('/').rsplit('/', 1)[-1]}.json"
+    if bundled.is_file():
+        return bundled
+    raise FileNotFoundError(
+        f"parent.uri {parent_uri}: its config.json could not be read and there is no copy at {bundled}; "
+        "pass --parent-config"
+    )
+
+
+def _fetch_s3_config(uri: str) -> Path | None:
+    """Download only ``<uri>/config.json`` into a temporary file; None when S3 cannot be reached."""
+    import tempfile
+
+    try:
+        from components.storage import s3_client, split_s3
+
+        bucket, prefix = split_s3(uri)
+        key = f"{prefix.rstrip('/')}/config.json" if prefix else "config.json"
+        out = Path(tempfile.mkdtemp(prefix="plan-")) / "config.json"
+        s3_client().download_file(bucket, key, str(out))
+        return out
+    except Exception:  # no credentials, no endpoint, no object: fall back to the bundled copy
+        return None
+
+
+def phase_shapes(pipeline: Any, checkpointing: bool, kd_chunk: int) -> list[Any]:
+    """The plan's view of each distillation section, validated by the stage's own config class."""
+    from components.distill.config import DistillConfig
+    from components.plan import PhaseShape
+
+    shapes = []
+    for phase, name in ((1, "distill_phase1"), (2, "distill_phase2")):
+        section = dict(getattr(pipeline, name))
+        placeholders = {
+            "phase": phase,
+            "teacher_uri": "plan://teacher",
+            "output_dir": "plan-output",
+            "space": pipeline.elastic.space,
+            "budgets": pipeline.elastic.budgets,
+        }
+        if phase == 2:
+            placeholders["init_from"] = "plan://phase1"
+        cfg = DistillConfig(**{**placeholders, **section})
+        shapes.append(
+            PhaseShape(
+                name=name,
+                steps=cfg.steps,
+                seq_len=cfg.seq_len,
+                micro_batch_size=cfg.micro_batch_size,
+                num_workers=cfg.num_workers,
+                zero_stage=cfg.zero_stage,
+                bf16=cfg.bf16,
+                activation_checkpointing=checkpointing,
+                kd_chunk=kd_chunk,
+            )
+        )
+    return shapes
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print (and optionally write / log) the plan; exit status 1 when a phase does not fit."""
+    from components.plan import PlanHardware, format_plan, log_plan, make_plan, plan_json
+    from model.config import HybridConfig
+    from pipelines.config import load_pipeline_config
+
+    pipeline = load_pipeline_config(args.config, args.set or [])
+    source = parent_config_path(pipeline.parent.uri, args.parent_config)
+    model_config = HybridConfig.from_json_file(source)
+    phases = phase_shapes(pipeline, not args.no_checkpointing, args.kd_chunk)
+    gpu = any(dict(getattr(pipeline, n)).get("use_gpu") for n in ("distill_phase1", "distill_phase2"))
+    hw = PlanHardware(
+        gpus=args.gpus,
+        gpu_mem_gb=args.gpu_mem,
+        host_mem_gb=args.host_mem,
+        gpus_per_node=args.gpus_per_node,
+        peak_tflops=args.peak_tflops,
+        utilization=args.utilization,
+        device=args.device or ("cuda" if gpu else "cpu"),
+    )
+    plan = make_plan(model_config, phases, hw)
+    data = {**plan_json(plan), "parent_config": str(source)}
+    if args.json == "-":
+        print(json.dumps(data, indent=2))
+    else:
+        print(f"parent config: {source}")
+        print(format_plan(plan))
+        if args.json:
+            Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    if args.tracking_uri:
+        from components.tracking import make_tracker
+
+        tracker = make_tracker(args.tracking_uri, pipeline.experiment, run_name="plan")
+        try:
+            log_plan(plan, tracker)
+        finally:
+            tracker.finish()
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser(prog="star-elastic")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))
