@@ -50,15 +50,15 @@ MODES = {"continuous": (16, True), "static": (16, False), "no batching": (1, Fal
 
 
 def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
-    """A random-weight nested checkpoint with ``budgets`` and the character tokenizer."""
-    from components.data.tokenizer import CharTokenizer
+    """A random-weight nested checkpoint with ``budgets`` and the demo character tokenizer (with its chat template)."""
+    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer, tokenizer_files
     from model.config import HybridConfig
     from model.elastic import ElasticSpace, count_params
     from model.elastic.budgets import BudgetSet
     from model.elastic.export import export_nested
     from model.hybrid import HybridLM
 
-    tok = CharTokenizer()
+    tok = TextTokenizer(build_demo_tokenizer())
     fields = {**fields, "vocab_size": tok.vocab_size} if vocab_from_tokenizer else dict(fields)
     cfg = HybridConfig(**fields)
     space_axes: dict[str, list[int]] = {}
@@ -72,8 +72,7 @@ def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_fro
     model = HybridLM(cfg).init_weights(0).eval()
     full = count_params(cfg).active
     fractions = BudgetSet.of({n: round(count_params(cfg, a).active / full, 4) for n, a in budgets.items()})
-    tok_dir = tok.save(out / "tokenizer")
-    files = [tok_dir / "tokenizer.json", tok_dir / "tokenizer_config.json"]
+    files = tokenizer_files(tok.save(out / "tokenizer"))
     return export_nested(model, budgets, fractions, space, out / "nested", extra_files=files)
 
 
@@ -87,7 +86,7 @@ async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]
         for i in range(n):
             body = {"model": args.model, "temperature": 0, "max_tokens": args.max_tokens,
                     "reasoning_budget": args.think, "messages": [
-                        {"role": "user", "content": problems[(offset + i) % len(problems)]}]}  # fmt: skip
+                        {"role": "user", "content": f"Q:{problems[(offset + i) % len(problems)]}\n"}]}  # fmt: skip
             t0 = time.perf_counter()
             r = await client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
@@ -168,7 +167,7 @@ def _rss_child(ckpt: str, budgets: str) -> None:
     async def one(model: str) -> None:
         job = Job(prompt, model, model, 8, 8, SamplingParams(), (), False, asyncio.get_running_loop())
         state.engine.submit(job)
-        while (await job.events.get())[0] not in ("done", "error"):
+        while (await job.events.get())[1] not in ("done", "error"):
             pass
 
     for name in state.cards:

@@ -9,20 +9,21 @@ Design choices:
   values the replica enforces and the values Serve routes by cannot disagree. A declarative Serve
   config (``serve deploy`` / a RayService ``serveConfigV2``) may still override the deployment
   options; the request-level limits below stay with the application.
-* Backpressure is Serve's own: a replica takes at most ``max_ongoing_requests`` requests; further
-  requests wait at the caller (the HTTP proxy) up to ``max_queued_requests``; beyond that the proxy
-  answers 503 without reaching the replica (``max_queued_requests = -1`` means an unbounded queue
-  and therefore no 503 at all, so the default is bounded). Serve counts a request as queued until
-  it has been assigned to a replica, so ``max_queued_requests`` also bounds how many requests may
-  ARRIVE at once without a 503, even when the replica has room: keep it at least the expected
-  burst.
+* Backpressure is the replica's own, so that a client always gets an OpenAI-shaped JSON 503 with
+  ``Retry-After``: a replica works on at most ``max_ongoing_requests`` requests, holds at most
+  ``max_queued_requests`` more waiting for a slot, and answers any further one with a 503 at once.
+  Serve is told to send a replica more than that (:meth:`ServingConfig.serve_max_ongoing_requests`)
+  so overload reaches the replica instead of queueing at the HTTP proxy; the proxy's own queue
+  (``proxy_max_queued_requests``) only holds requests while no replica can take them (e.g. while
+  replicas start), and its 503 (plain text, Serve's) carries ``Retry-After`` too.
+  ``max_queued_requests = -1`` means unbounded queues and therefore no 503 at all.
 * The API key may come from the configuration or, when the configuration has none, from the
   environment variable named by ``api_key_env`` (how a Kubernetes secret is usually injected).
 * ``resolve_checkpoint`` turns the model URI into a local folder with these settings (download
   cache, tracking server, format).
 * ``format`` says which weights to serve: ``auto`` takes the checkpoint as it is (dense, or the
   FP8/NVFP4 recorded in its ``quantization_config``); ``fp8`` / ``nvfp4`` demand that format and,
-  for a registry URI, fetch the run's ``model-<format>`` artifact that the register stage logs.
+  for a registry URI, take the registered version of that format (its ``<alias>-<format>`` sibling).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from components.data.tokenizer import ReasoningMarkers
 
 DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
 DEPLOYMENT_NAME = "StarElasticServer"
@@ -94,6 +97,11 @@ class ServingConfig(BaseModel):
     budgets: list[str] | None = Field(
         None, description="Serve only these budgets of the checkpoint (None: all). The weights are loaded once."
     )
+    markers: ReasoningMarkers = Field(
+        default_factory=ReasoningMarkers,
+        description="Strings that open and close the model's reasoning (tokens or token sequences): they split "
+        "reasoning_content from content and bound the thinking phase.",
+    )
 
     # ---- weights and compute
     format: Literal["auto", "dense", "fp8", "nvfp4"] = Field(
@@ -130,9 +138,24 @@ class ServingConfig(BaseModel):
     batch_wait_timeout_s: float = Field(
         0.01, ge=0, le=5, description="How long an idle replica waits for more requests before it starts a batch."
     )
-    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica handles at once (Serve).")
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica works on at once.")
     max_queued_requests: int = Field(
-        64, ge=-1, description="Requests waiting at each caller beyond that; more -> 503 (-1: unbounded, never 503)."
+        64,
+        ge=-1,
+        description="Requests one replica holds waiting for a slot beyond that; more -> JSON 503 with Retry-After "
+        "(-1: unbounded, never 503).",
+    )
+    retry_after_s: float = Field(
+        1.0, gt=0, description="Seconds a 503 (overloaded, or the model not serving) asks the client to wait."
+    )
+    proxy_max_queued_requests: int = Field(
+        1024,
+        ge=1,
+        description="Requests Serve's HTTP proxy holds while no replica can take one (e.g. while replicas start); "
+        "more -> Serve's own 503. Unbounded when max_queued_requests is -1.",
+    )
+    max_choices_per_request: int = Field(
+        16, ge=1, description="Most sequences one request may ask for (n x number of prompts); more -> 400."
     )
 
     # ---- replicas
@@ -160,13 +183,21 @@ class ServingConfig(BaseModel):
             return os.environ.get(self.api_key_env) or None
         return None
 
+    def serve_max_ongoing_requests(self) -> int:
+        """What Serve may send one replica: its capacity (working + waiting) plus as many again as it
+        works on, so that overload reaches the replica (which answers it with a JSON 503) and the
+        probes and ``/metrics`` still get through to a full replica."""
+        return 2 * self.max_ongoing_requests + max(self.max_queued_requests, 0)
+
     def deployment_options(self) -> dict[str, Any]:
         """Keyword arguments of ``Deployment.options`` for the serving deployment."""
         auto = self.autoscaling.model_dump(exclude_none=True)
+        unbounded = self.max_queued_requests == -1
         return {
             "name": DEPLOYMENT_NAME,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": self.max_queued_requests,
+            "max_ongoing_requests": self.serve_max_ongoing_requests(),
+            "max_queued_requests": -1 if unbounded else self.proxy_max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
             "autoscaling_config": auto,
             "ray_actor_options": {"num_cpus": self.num_cpus_per_replica, "num_gpus": self.num_gpus_per_replica},
             # The health check runs on the replica's event loop; a long decode step must not fail it.
@@ -212,17 +243,9 @@ def resolve_checkpoint(model_uri: str, config: ServingConfig) -> Path:
     if model_uri.startswith("models:/"):
         from components.register import resolve_model_uri
 
+        # fp8 / nvfp4 / dense: the registered family's version of that format (tags version.<format>)
         dst = Path(config.cache_dir) / "models" if config.cache_dir else None
-        if dst is not None:
-            dst.mkdir(parents=True, exist_ok=True)
-        if config.format in ("fp8", "nvfp4"):  # the register stage logs formats as model-<fmt>
-            import mlflow
-
-            client = mlflow.MlflowClient(tracking_uri=config.tracking_uri)
-            name, _, ref = model_uri.removeprefix("models:/").partition("@")
-            mv = client.get_model_version_by_alias(name, ref) if ref else client.get_model_version(*name.split("/"))
-            model_uri = f"runs:/{mv.run_id}/model-{config.format}"
-        return resolve_model_uri(model_uri, config.tracking_uri, dst)
+        return resolve_model_uri(model_uri, config.tracking_uri, dst, fmt=config.format)
     if is_s3(model_uri):
         return materialize(model_uri, config.cache_dir)
     path = Path(model_uri)

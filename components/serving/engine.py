@@ -7,15 +7,11 @@ Design choices:
 * One decode thread owns the models and every cache. Requests arrive from the event loop through a
   thread-safe inbox and leave as events posted back to the loop, so the loop (health checks,
   streaming) never waits on a matmul, and two decode steps never compete for the same cores.
-* Batching is at the step level (continuous batching). A *row* is one request in one phase
-  (thinking or answering); rows that start from the same cached length and feed the same number of
-  tokens to the same budget are prefilled together as a *group* (the rule of :mod:`model.generate`:
-  no padding ever enters a Mamba state). Once prefilled, groups of one budget merge into one
-  decoding batch (up to ``batch_max_size`` rows): Mamba states are per row, and shorter KV histories
-  are left-padded and masked (:func:`model.cache.concat_caches`), so requests that arrive while
-  others are decoding join them at their next step (``merge_running_batches``). The thread steps
-  every active group once per iteration; when rows finish, the padding every remaining row shares
-  is trimmed. An idle engine waits up to ``batch_wait_timeout_s`` for concurrent requests before it
+* Batching is at the step level (continuous batching, :mod:`components.serving.batch`): rows (one
+  request in one phase) are prefilled in groups and groups of one budget merge into one decoding
+  batch (up to ``batch_max_size`` rows), so requests that arrive while others are decoding join them
+  at their next step (``merge_running_batches``). The thread steps every active group once per
+  iteration. An idle engine waits up to ``batch_wait_timeout_s`` for concurrent requests before it
   starts a batch, but only while traffic
   is concurrent (two or more requests in flight within the last second): a lone client never pays
   the wait. ``batch_max_size`` bounds a group. Sampling, stops and limits are per row, so requests
@@ -32,34 +28,45 @@ Design choices:
 * Streaming: thinking is sent line by line (text after the last line break may still be cut by the
   cap, so it is held back); the answer is sent as it grows, minus a tail as long as the longest stop
   string (a stop string is never sent, as in the OpenAI API).
+* Texts: every returned text is decoded without special tokens and without the reasoning marker
+  strings (:meth:`Engine.text`), so control tokens never reach a client.
+* Log-probabilities (``Job.logprobs``): every sampled answer token's log-probability under the
+  model (log-softmax of its logits, before temperature and top-p) and its top-k alternatives,
+  the stop token included; ``Job.echo`` also scores the prompt from the prefill's logits (all
+  positions are kept for such a group), see :mod:`components.serving.logprobs`.
+* One request may be several jobs (``n`` choices, a list of prompts): they share one event queue,
+  and every event carries the job's ``index``: ``(index, kind, payload)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
-import random
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
+from components.serving.batch import Group, Row
 from components.serving.config import ServingConfig
 from components.serving.loading import LoadedModel
+from components.serving.logprobs import LogprobEntry
 from model import generate as gen  # the primitives of model.generate's batched loop
-from model.cache import concat_caches
-from model.phases import _kept as kept_thinking  # the cut rule of think_then_answer, shared on purpose
-from model.phases import _resume_state as resume_state  # ... and its resume rule
+from model.phases import kept_thinking, resume_state, resume_target  # think_then_answer's rules, shared on purpose
 
 
 # ---------------------------------------------------------------------- requests and rows
 @dataclass
 class JobResult:
-    """A finished request: texts, token counts, how each phase ended, and timings (seconds)."""
+    """A finished request: texts, token counts, how each phase ended, and timings (seconds).
+
+    ``logprobs``: one entry per answer token (stop token included) when the job asked for them;
+    ``prompt_logprobs``: one per prompt token with ``echo``.
+    """
 
     reasoning: str | None
     content: str
@@ -72,11 +79,19 @@ class JobResult:
     answer_fed: int
     first_token_s: float
     total_s: float
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry] | None = None
+    reasoning_ids: list[int] = field(default_factory=list)  # the kept thinking (markers excluded)
+    answer_ids: list[int] = field(default_factory=list)  # every sampled answer token, a stop token included
 
 
 @dataclass(eq=False)
 class Job:
-    """One request. ``think_budget`` None: no thinking phase (a plain completion)."""
+    """One sequence of a request. ``think_budget`` None: no thinking phase (a plain completion).
+
+    ``index``: the choice index its events carry; ``logprobs``: alternatives per answer token (None:
+    no log-probabilities); ``echo``: also score the prompt (plain completions only).
+    """
 
     prompt: list[int]
     answer_budget: str
@@ -88,6 +103,9 @@ class Job:
     stream: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    index: int = 0
+    logprobs: int | None = None
+    echo: bool = False
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -99,121 +117,14 @@ class Job:
     answer_fed: int = 0
     sent_think: int = 0  # thinking tokens already streamed
     sent_chars: int = 0  # answer characters already streamed
+    sent_logprobs: int = 0  # answer logprob entries already streamed
+    prompt_lp: list[LogprobEntry] | None = None
 
     def emit(self, kind: str, payload: Any) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
         except RuntimeError:  # the request's loop is gone: nobody is listening any more
             self.cancelled = True
-
-
-@dataclass(eq=False)
-class Row:
-    """One request in one phase: what to feed, where to stop, and what it has generated so far."""
-
-    job: Job
-    phase: Literal["think", "answer"]
-    budget: str
-    start: gen.RowStart
-    max_new: int
-    stop_ids: frozenset[int]
-    stop: tuple[str, ...]
-    seed: int | None
-    keep_state: bool = False
-    tokens: list[int] = field(default_factory=list)
-    reason: str = "length"
-    state: gen.RowState | None = None
-    snapshot: gen.RowState | None = None
-
-    def __post_init__(self) -> None:
-        p = self.job.sampling
-        self.greedy = p.temperature == 0
-        self.params = gen.SamplingParams(temperature=p.temperature, top_p=p.top_p)
-        self.gen: torch.Generator | None = None  # made on the model's device when the row joins a group
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        if self.gen is None and not self.greedy:
-            seed = self.seed if self.seed is not None else random.getrandbits(62)
-            self.gen = torch.Generator(device=device).manual_seed(seed)
-        return self.gen
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """Rows with the same key can share a batch."""
-        return self.budget, self.start.state.length if self.start.state else 0, len(self.start.tokens)
-
-
-class Group:
-    """Rows decoded together on one budget model (the batched loop of :mod:`model.generate`)."""
-
-    def __init__(
-        self, model: torch.nn.Module, rows: list[Row], snapshot_ids: frozenset[int], decode: Callable[..., str]
-    ) -> None:
-        self.model, self.rows, self.snapshot_ids, self.decode = model, rows, snapshot_ids, decode
-        self.device = next(model.parameters()).device
-        for r in rows:
-            r.generator(self.device)
-        ids = torch.tensor([r.start.tokens for r in rows], dtype=torch.long, device=self.device)
-        states = [r.start.state for r in rows]
-        cache = gen.stack_rows(states) if states[0] is not None else None
-        self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
-        self.pads = [0] * len(rows)  # per row: KV slots before its history (self.length - tokens it consumed)
-        self.steps = 0  # decode steps taken
-        res = model(ids, cache=cache, use_cache=True, logits_to_keep=1)
-        self.cache, self.logits = res.cache, res.logits[:, -1]
-
-    def row_length(self, j: int) -> int:
-        """Tokens row ``j`` has consumed."""
-        return self.length - self.pads[j]
-
-    def absorb(self, other: Group) -> None:
-        """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded."""
-        length = max(self.length, other.length)
-        self.cache = concat_caches([self.cache, other.cache])
-        self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
-        self.rows = self.rows + other.rows
-        self.logits = torch.cat([self.logits, other.logits])
-        self.length = length
-        other.rows = []
-
-    def step(self) -> tuple[list[Row], list[Row]]:
-        """Sample one token for every row; returns (rows that got a token, rows that finished)."""
-        rows, logits = self.rows, self.logits
-        greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
-        stepped, finished, keep = list(rows), [], []
-        for j, row in enumerate(rows):
-            tok = greedy[j] if row.greedy else int(gen.sample_next(logits[j : j + 1], row.params, row.gen))
-            row.tokens.append(tok)
-            if row.job.cancelled:
-                row.reason = "cancelled"
-            elif tok in row.stop_ids:
-                row.reason = "stop_id"
-            elif row.stop and gen._hit_stop_string(row.tokens, row.stop, self.decode):
-                row.reason = "stop_string"
-            elif len(row.tokens) < row.max_new:
-                keep.append(j)
-                continue
-            if row.keep_state:  # the last token is not fed: the state holds everything before it
-                row.state = gen.take_row(self.cache, j, self.row_length(j))
-            finished.append(row)
-        if len(keep) < len(rows):
-            self.rows = [rows[j] for j in keep]
-            if keep:
-                pads = [self.pads[j] for j in keep]
-                trim = min(pads)  # padding every remaining row has: drop it
-                self.cache = self.cache.select(torch.tensor(keep, device=self.device), trim=trim)
-                self.pads = [p - trim for p in pads]
-                self.length -= trim
-        if self.rows:
-            nxt = [r.tokens[-1] for r in self.rows]
-            res = self.model(torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None], cache=self.cache)
-            self.cache, self.logits = res.cache, res.logits[:, -1]
-            self.length += 1
-            self.steps += 1
-            for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
-                if row.keep_state and tok in self.snapshot_ids:
-                    row.snapshot = gen.take_row(self.cache, j, self.row_length(j), kv=False)
-        return stepped, finished
 
 
 # ---------------------------------------------------------------------- the engine
@@ -231,6 +142,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: ServingConfig) -> None:
         self.loaded, self.config = loaded, config
         self.tokenizer, self.tokens = loaded.tokenizer, loaded.tokens
+        markers = loaded.tokenizer.markers
+        self._markers = tuple(m for m in (markers.think_open, markers.think_close) if m)
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
@@ -352,7 +265,7 @@ class Engine:
             for i in range(0, len(rows), size):
                 chunk = rows[i : i + size]
                 try:
-                    group = Group(model, chunk, self.tokens.line_breaks, self.tokenizer.decode)
+                    group = Group(model, chunk, self.tokens.line_breaks, self.text)
                 except Exception as err:  # a failed prefill fails its requests, not the replica
                     self._fail(chunk, err)
                     continue
@@ -402,11 +315,13 @@ class Engine:
             return self._answer_row(job, gen.RowStart(list(job.prompt)), first_seed)
         cap = self.config.think_limit if job.think_cap is None else job.think_cap
         if cap == 0:  # answer directly: close the (empty) thinking and prefill
-            return self._answer_row(job, gen.RowStart([*job.prompt, t.think_close]), self._answer_seed(job))
-        stops = frozenset((t.think_close, *t.think_stop_ids))
+            return self._answer_row(job, gen.RowStart([*job.prompt, *t.think_close]), self._answer_seed(job))
+        stops = frozenset(t.think_stop_ids)
         same = job.think_budget == job.answer_budget  # standard control keeps states to continue from
         start = gen.RowStart(list(job.prompt))
-        return Row(job, "think", job.think_budget, start, cap, stops, (), first_seed, keep_state=same)
+        max_new = cap + len(t.think_close) - 1  # as think_then_answer: the marker's first L-1 ids do not count
+        return Row(job, "think", job.think_budget, start, max_new, stops, (), first_seed, keep_state=same,
+                   stop_seqs=(t.think_close,))  # fmt: skip
 
     def _answer_seed(self, job: Job) -> int | None:
         return gen.row_seed(job.sampling.seed, 1) if job.sampling.seed is not None else None
@@ -419,13 +334,15 @@ class Engine:
     def _think_done(self, row: Row) -> None:
         job = row.job
         out = gen.RowOutput(row.tokens, row.reason, row.state, row.snapshot)  # type: ignore[arg-type]
-        job.think_kept, job.think_stop = kept_thinking(out, row.max_new, self.tokens, job.think_cap is not None)
+        cap = row.max_new - len(self.tokens.think_close) + 1
+        job.think_kept, job.think_stop = kept_thinking(out, cap, self.tokens, job.think_cap is not None)
         job.think = out
         if job.stream and job.sent_think < len(job.think_kept):
-            job.emit("reasoning", self.tokenizer.decode(job.think_kept[job.sent_think :]))
+            job.emit("reasoning", self.text(job.think_kept[job.sent_think :]))
             job.sent_think = len(job.think_kept)
-        seq = [*job.prompt, *job.think_kept, self.tokens.think_close]
-        state = resume_state(out, len(job.prompt) + len(job.think_kept)) if row.keep_state else None
+        seq = [*job.prompt, *job.think_kept, *self.tokens.think_close]
+        target = resume_target(len(job.prompt), out.tokens, seq[len(job.prompt) :])
+        state = resume_state(out, target) if row.keep_state else None
         if state is not None:
             job.answer_start = "continued"
             start = gen.RowStart(seq[state.length :], state)
@@ -434,32 +351,46 @@ class Engine:
             start = gen.RowStart(seq)
         self._pending.append(self._answer_row(job, start, self._answer_seed(job)))
 
+    def text(self, ids: Sequence[int]) -> str:
+        """What a client is shown of ``ids``: no special tokens, no reasoning marker strings."""
+        text = self.tokenizer.decode(ids, skip_special=True)
+        for marker in self._markers:
+            text = text.replace(marker, "")
+        return text
+
     def _answer_text(self, row: Row) -> str:
         ids = row.tokens[:-1] if row.reason == "stop_id" else row.tokens
-        text = self.tokenizer.decode(ids)
+        text = self.text(ids)
         return gen.truncate_at_stop(text, row.stop) if row.reason == "stop_string" else text
 
     def _stream(self, row: Row, done: bool) -> None:
         job = row.job
         if row.phase == "think":  # send complete lines only: a cap cuts after the last line break
             if not done and row.tokens[-1] in self.tokens.line_breaks:
-                job.emit("reasoning", self.tokenizer.decode(row.tokens[job.sent_think :]))
+                job.emit("reasoning", self.text(row.tokens[job.sent_think :]))
                 job.sent_think = len(row.tokens)
             return
-        text = self._answer_text(row) if done else self.tokenizer.decode(row.tokens)
+        text = self._answer_text(row) if done else self.text(row.tokens)
         safe = len(text) if done else len(text) - (max(map(len, row.stop)) - 1 if row.stop else 0)
         if not done and text.endswith("\ufffd"):  # an incomplete multi-byte character
             safe = min(safe, len(text) - 1)
-        if safe > job.sent_chars:
-            job.emit("content", text[job.sent_chars : safe])
-            job.sent_chars = safe
+        entries = None
+        if row.want_lp is not None:  # the entries of the tokens whose text is all sent (every one at the end)
+            n = len(row.lp) if done else job.sent_logprobs
+            while not done and n < len(row.lp) and len(self.text(row.tokens[: n + 1])) <= max(safe, job.sent_chars):
+                n += 1
+            entries = row.lp[job.sent_logprobs : n]
+            job.sent_logprobs = n
+        if safe > job.sent_chars or entries:
+            job.emit("content", (text[job.sent_chars : max(safe, job.sent_chars)], entries))
+            job.sent_chars = max(safe, job.sent_chars)
 
     def _answer_done(self, row: Row) -> None:
         job = row.job
         now = time.perf_counter()
         think_generated = len(job.think.tokens) if job.think is not None else 0
         result = JobResult(
-            reasoning=self.tokenizer.decode(job.think_kept) if job.think_budget is not None else None,
+            reasoning=self.text(job.think_kept) if job.think_budget is not None else None,
             content=self._answer_text(row),
             finish_reason="length" if row.reason == "length" else "stop",
             prompt_tokens=len(job.prompt),
@@ -470,6 +401,10 @@ class Engine:
             answer_fed=job.answer_fed,
             first_token_s=(job.first_token or now) - job.created,
             total_s=now - job.created,
+            logprobs=row.lp if row.want_lp is not None else None,
+            prompt_logprobs=job.prompt_lp,
+            reasoning_ids=list(job.think_kept),
+            answer_ids=list(row.tokens),
         )
         self._finished("completed")
         job.emit("done", result)

@@ -1,25 +1,56 @@
-"""Loading a checkpoint for serving: one weight copy, every budget a view of it, and what /v1/models says.
+"""Loading a checkpoint for serving: one weight copy, every budget a view of it, and what /v1/models says;
+and the check of a local checkpoint that ``star-elastic serve`` runs before Ray starts.
 
 The checkpoint folder is read ONCE; every budget is a :class:`~model.budget_view.BudgetModel` of a
 :class:`~model.budget_view.BudgetRegistry`, i.e. views of the parent's tensors (or, for FP8/NVFP4
 weights, which cannot be viewed as dense slices, the parent's own quantized modules under the
 budget's hard mask). Serving every budget therefore costs about the memory of serving the full one.
+
+Design choices for :func:`check_checkpoint` / :func:`preflight`:
+
+* Everything a replica would trip over is found before Ray starts, and reported as ONE line
+  (:class:`~model.checkpoint.CheckpointError`, which the CLI prints as ``star-elastic: error: ...``):
+  a missing or invalid ``config.json``, files that fail their SHA-256 in ``manifest.json`` (flipped
+  bytes, a truncated file), safetensors files whose header does not cover the file (truncated),
+  missing, unexpected or mis-shaped tensors, a wrong quantized dtype, a malformed ``elastic``
+  section, budgets or a format the serving config asks for that the checkpoint lacks, a tokenizer
+  that does not load or does not fit the embedding.
+* Tensors are checked from the safetensors headers (names, shapes, dtypes) against the model the
+  config builds on the ``meta`` device, with the rules of :func:`model.checkpoint.load_model`
+  (``backbone.`` / ``model.`` keys, per-expert or stacked experts, ``mtp.*`` skipped, tied
+  embeddings): no weight is loaded twice. The manifest check does read every byte (that is what
+  finds flipped bytes).
+* A checkpoint without ``manifest.json`` (e.g. written by transformers) loads, with a one-line
+  warning that it has no integrity check, here and in the replica's log.
+* Remote URIs (``s3://``, ``models:/``) are downloaded by the replica; they are checked there.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from components.data.tokenizer import CharTokenizer
-from components.serving.config import ServingConfig
+from components.data.tokenizer import TextTokenizer
+from components.serving.config import ServingConfig, load_config
 from model.budget_view import BudgetRegistry
+from model.checkpoint import MANIFEST_NAME, CheckpointError
 from model.elastic.arch import Architecture
 from model.phases import PhaseTokens
+
+log = logging.getLogger("star_elastic.serving")
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+_MTP_PREFIX = "mtp."  # multi-token-prediction heads, skipped on load (model.checkpoint.load_model)
 
 
 @dataclass(frozen=True)
@@ -33,12 +64,19 @@ class BudgetCard:
     architecture: dict[str, Any]
 
 
+def no_manifest_warning(folder: Path) -> str | None:
+    """The one-line warning for a checkpoint without ``manifest.json`` (None when it has one)."""
+    if (folder / MANIFEST_NAME).is_file():
+        return None
+    return f"{folder}: no {MANIFEST_NAME}; loading without an integrity check (corrupt files may go unnoticed)"
+
+
 @dataclass
 class LoadedModel:
     """The registry of budget models over one weight copy, the tokenizer, and the budget cards."""
 
     registry: BudgetRegistry
-    tokenizer: CharTokenizer
+    tokenizer: TextTokenizer
     tokens: PhaseTokens
     cards: dict[str, BudgetCard]
     format: str
@@ -51,9 +89,11 @@ class LoadedModel:
         from model.hybrid import HybridLM
 
         folder = Path(folder)
+        warning = no_manifest_warning(folder)
+        if warning:
+            log.warning(warning)
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        algo = (raw.get("quantization_config") or {}).get("quant_algo")
-        fmt = {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo, "dense")
+        fmt = _format(raw)
         if config.format != "auto" and config.format != fmt:
             raise ValueError(f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked")
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
@@ -82,6 +122,133 @@ class LoadedModel:
                 raise ValueError(f"budgets {unknown} are not in the checkpoint; it has {sorted(archs)}")
             archs = {n: a for n, a in archs.items() if n in config.budgets}
         registry = BudgetRegistry(full, archs, order, nested=True)  # one weight copy, laid out for budgets
-        tokenizer = CharTokenizer.load(folder)
+        tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
+
+
+def _format(raw: dict[str, Any]) -> str:
+    algo = (raw.get("quantization_config") or {}).get("quant_algo")
+    return {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo, "dense")
+
+
+# ---------------------------------------------------------------------- the check before Ray starts
+def _header_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint as a ``meta`` tensor of its stored shape and dtype (headers only)."""
+    from safetensors import safe_open
+
+    from model.checkpoint import weight_files
+
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
+                    sl = fh.get_slice(key)
+                    dtype = _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{f}: tensor {key} has unsupported dtype {sl.get_dtype()}")
+                    if key in out:
+                        raise CheckpointError(f"{folder}: tensor {key} is stored twice")
+                    out[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+        except CheckpointError:
+            raise
+        except Exception as err:  # the Rust reader's error: a truncated or corrupt file
+            raise CheckpointError(f"{f}: unreadable safetensors file ({err}); truncated or corrupt?") from None
+    return out
+
+
+def _check_dense(folder: Path, config: Any, raw: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    from model.checkpoint import check_state, to_canonical
+    from model.hybrid import HybridLM
+
+    state = to_canonical({k: v for k, v in tensors.items() if not k.startswith(_MTP_PREFIX)})
+    if "lm_head.weight" not in state and raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
+        state["lm_head.weight"] = state["model.embeddings.weight"]
+    with torch.device("meta"):
+        expected = HybridLM(config).state_dict()
+    check_state(expected, state, str(folder))
+
+
+def _check_quantized(folder: Path, config: Any, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
+    from model.quant.checkpoint import build_quantized_model
+
+    renamed = {("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v for k, v in tensors.items()}
+    build_quantized_model(config, renamed, fmt, where=str(folder))  # checks names, shapes and dtypes (meta)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def check_checkpoint(folder: str | Path, config: ServingConfig | None = None) -> list[str]:
+    """Check a local checkpoint folder as a replica would load it; returns warnings (one line each).
+
+    Raises :class:`~model.checkpoint.CheckpointError` (a ``ValueError``) with one line naming the
+    file and the problem. See the module docstring for what is checked.
+    """
+    from model.checkpoint import read_config, verify_manifest
+    from model.elastic.export import read_elastic
+
+    config = config or ServingConfig()
+    folder = Path(folder)
+    try:
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: no such checkpoint folder")
+        warnings = [w for w in [no_manifest_warning(folder)] if w]
+        try:
+            hybrid, raw = read_config(folder)
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{folder}: config.json is not valid JSON ({err})") from None
+        fmt = _format(raw)
+        if config.format != "auto" and config.format != fmt:
+            raise CheckpointError(
+                f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked"
+            )
+        verify_manifest(folder)
+        tensors = _header_tensors(folder)
+        if fmt == "dense":
+            _check_dense(folder, hybrid, raw, tensors)
+        else:
+            _check_quantized(folder, hybrid, fmt, tensors)
+        names = ["full"]
+        if "elastic" in raw:
+            info = read_elastic(folder)
+            info.space.validate_against(hybrid)
+            names = info.names
+        if config.budgets is not None:
+            unknown = sorted(set(config.budgets) - set(names))
+            if unknown:
+                raise CheckpointError(f"{folder}: budgets {unknown} are not in the checkpoint; it has {names}")
+        try:
+            tok = TextTokenizer.load(folder, config.markers)
+        except Exception as err:
+            why = str(err).replace(f"{folder}: ", "")
+            raise CheckpointError(f"{folder}: the tokenizer does not load: {why}") from None
+        if tok.vocab_size > hybrid.vocab_size:
+            raise CheckpointError(
+                f"{folder}: the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {hybrid.vocab_size}"
+            )
+        PhaseTokens.from_tokenizer(tok)  # a vocabulary with no line break cannot cut thinking at a cap
+    except CheckpointError as err:
+        raise CheckpointError(_one_line(str(err))) from None
+    except Exception as err:  # a config or section error: the same one line
+        raise CheckpointError(_one_line(f"{folder}: {err}" if str(folder) not in str(err) else str(err))) from None
+    return warnings
+
+
+def preflight(model_uri: str, config: ServingConfig | dict[str, Any] | str | Path | None = None) -> list[str]:
+    """What ``star-elastic serve`` runs first: check a local checkpoint, print its warnings on stderr.
+
+    Remote URIs (``s3://``, ``models:/``) are left to the replica. Raises ``CheckpointError`` (one
+    line) for a broken checkpoint, ``FileNotFoundError`` for a path that does not exist.
+    """
+    if model_uri.startswith(("s3://", "models:/", "runs:/")):
+        return []
+    cfg = load_config(config)
+    if not Path(model_uri).exists():
+        raise FileNotFoundError(f"{model_uri}: no such checkpoint folder")
+    warnings = check_checkpoint(model_uri, cfg)
+    for w in warnings:
+        print(f"star-elastic: warning: {w}", file=sys.stderr, flush=True)
+    return warnings

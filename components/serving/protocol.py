@@ -1,12 +1,14 @@
-"""The OpenAI-compatible wire format: request and response models, errors, the chat template, SSE.
+"""The OpenAI-compatible wire format: request and response models, errors, chat messages, SSE.
 
 Design choices:
 
 * Requests are validated strictly (``strict=True``, ``extra="forbid"``) from the raw JSON body, so
   a string where a number belongs, an unknown field or bad JSON is a 400 whose ``param`` names the
   field, never a silent coercion or a server error. OpenAI parameters this server does not
-  implement are accepted only at their neutral value (``n=1``, penalties 0, no logprobs), and
-  rejected with a message saying so otherwise.
+  implement (tools, penalties, ``logit_bias``, ``response_format`` other than text, ...) are
+  accepted at their neutral value (``best_of: 1``, ``tools: []``, ``parallel_tool_calls``,
+  ``logit_bias: {}``, ...) and otherwise refused with a 400 naming the parameter and saying why
+  (:meth:`_GenerationRequest.check_supported`).
 * Two extensions, accepted by the official client through ``extra_body``: ``reasoning_budget``
   (most thinking tokens: standard budget control) and ``think_model`` (the budget that thinks
   before ``model`` answers: elastic budget control). ``max_tokens`` bounds the ANSWER only; the
@@ -15,24 +17,29 @@ Design choices:
   stream deltas), the field name common OpenAI-compatible reasoning servers use; the official
   client exposes it as an attribute of the message. ``usage.completion_tokens`` counts every
   generated token, thinking included, and ``completion_tokens_details.reasoning_tokens`` the
-  thinking ones (tokens cut at a cap included: they were computed).
+  thinking ones (tokens cut at a cap included: they were computed). Returned texts never hold
+  special tokens or the reasoning markers.
 * Defaults are the OpenAI API's (``temperature`` 1, ``top_p`` 1); ``temperature`` 0 is greedy.
-  ``stop`` strings end the ANSWER (thinking ends at ``</think>`` or the budget) and are not returned.
-* ``/v1/completions`` takes the prompt as raw text (special-token strings such as ``<bos>`` become
-  their tokens) or token ids, and continues it. A prompt ending with ``<think>`` runs the thinking
-  phase (so ``reasoning_budget`` / ``think_model`` apply and the thinking comes back as the choice's
-  ``reasoning_content``); any other prompt is one plain phase, and those two fields are rejected.
-* Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``.
-
-Chat template (the demo model is a single-turn reasoning model): the content of the LAST user
-message is the problem text; system messages and earlier turns are ignored. The prompt is::
-
-    <bos>Q:{problem}\\n<think>
-
-(``components.data.format_prompt``; a leading ``Q:`` in the message is not doubled, surrounding
-whitespace is stripped). The model then writes its thinking, ``</think>``, and the answer
-(``A:`` and the value for the demo task), which is returned as ``content``. A message may not
-contain special-token strings such as ``<think>``: they would become control tokens.
+  ``stop`` strings end the ANSWER (thinking ends at the close marker or the budget) and are not
+  returned.
+* ``n`` choices per prompt; ``/v1/completions`` also takes a list of prompts (strings or token-id
+  lists); choice ``index`` is ``prompt_index * n + k``, as vLLM numbers them. ``logprobs`` on
+  completions is an integer 0-5 (the sampled token's log-probability plus that many alternatives);
+  ``echo`` prepends the prompt, with its tokens' log-probabilities (the first one null), as vLLM
+  returns them. On chat, ``logprobs: true`` and ``top_logprobs`` 0-20 cover the answer's tokens.
+  Log-probabilities are the model's own (before temperature and top-p).
+* ``/v1/completions`` takes the prompt as raw text (special-token strings become their tokens) or
+  token ids, and continues it. A prompt ending with the open marker (``<think>``) runs the thinking
+  phase (so ``reasoning_budget`` / ``think_model`` apply and the thinking comes back as the
+  choice's ``reasoning_content``); any other prompt is one plain phase, and those two fields are
+  rejected.
+* Chat requests are rendered by the checkpoint's chat template
+  (:meth:`~components.data.tokenizer.TextTokenizer.prompt_ids`), every message included (system,
+  earlier turns, an assistant turn's ``reasoning_content``). No message may contain a special
+  token of the tokenizer or a reasoning marker: it would become a control token, so it is refused
+  with a 400 naming the message and the token (:func:`components.serving.state.chat_messages`).
+* Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``; a 503 (overload,
+  or a model that is not serving) carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -40,14 +47,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
-from components.data import PROMPT_PREFIX, Problem, format_prompt
-from components.data.tokenizer import SPECIAL_TOKENS
-
 MAX_STOP_STRINGS = 4
+PROMPT_FORMS = "prompt: must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists"
+MAX_COMPLETION_LOGPROBS = 5
+"""Largest ``logprobs`` on ``/v1/completions`` (the OpenAI API's limit)."""
+MAX_TOP_LOGPROBS = 20
+"""Largest ``top_logprobs`` on ``/v1/chat/completions`` (the OpenAI API's limit)."""
 
 
 # ---------------------------------------------------------------------- errors
@@ -71,8 +81,18 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def unavailable(message: str, retry_after_s: float, code: str = "overloaded") -> OpenAIError:
+    """A 503 with ``Retry-After`` (whole seconds, at least 1)."""
+    seconds = max(1, int(-(-retry_after_s // 1)))
+    return OpenAIError(503, message, type="server_error", code=code, headers={"Retry-After": str(seconds)})
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
 def _loc(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith(("function-", "union[")))]
+    parts = [p for p in parts if p not in _UNION_TAGS and not p.startswith(("list[", "dict["))]  # union members
     return ".".join(parts) or None
 
 
@@ -82,6 +102,8 @@ def validation_error(err: ValidationError) -> OpenAIError:
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
     param = _loc(first["loc"])
+    if param is not None and param.split(".")[0] == "prompt" and first["type"] != "missing":
+        return OpenAIError(400, PROMPT_FORMS, param="prompt", code="invalid_value")
     more = f" (and {len(err.errors()) - 1} more problems)" if len(err.errors()) > 1 else ""
     msg = first["msg"].removeprefix("Value error, ")
     where = f"{param}: " if param else ""
@@ -89,6 +111,10 @@ def validation_error(err: ValidationError) -> OpenAIError:
     if first["type"] == "missing":
         code = "missing_parameter"
     return OpenAIError(400, f"{where}{msg}{more}", param=param, code=code)
+
+
+def unsupported(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", param=param, code="unsupported_value")
 
 
 # ---------------------------------------------------------------------- requests
@@ -106,6 +132,7 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -117,6 +144,24 @@ class ChatMessage(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+# (field, is the value neutral?, why a non-neutral value is refused); checked after validation
+_Check = tuple[str, Callable[[Any], bool], str]
+_COMMON_CHECKS: list[_Check] = [
+    ("presence_penalty", lambda v: v in (None, 0), "penalties are not supported (send 0 or leave it out)"),
+    ("frequency_penalty", lambda v: v in (None, 0), "penalties are not supported (send 0 or leave it out)"),
+    ("repetition_penalty", lambda v: v in (None, 1), "penalties are not supported (send 1 or leave it out)"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported (send {} or leave it out)"),
+    ("top_k", lambda v: v in (None, 0, -1), "top_k sampling is not supported (send -1 or leave it out)"),
+    ("min_p", lambda v: v in (None, 0), "min_p sampling is not supported (send 0 or leave it out)"),
+]
 
 
 class _GenerationRequest(_Strict):
@@ -132,12 +177,17 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     reasoning_budget: int | None = Field(None, description="Most thinking tokens (0: answer directly).")
     think_model: str | None = Field(None, min_length=1, description="Budget that thinks before `model` answers.")
-    # accepted at their neutral values only
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | None = None
+    n: int = Field(1, ge=1, description="Choices per prompt.")
     user: str | None = None
+    # accepted at their neutral values only (see check_supported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+
+    _checks: ClassVar[list[_Check]] = _COMMON_CHECKS
 
     @field_validator("stop")
     @classmethod
@@ -149,15 +199,13 @@ class _GenerationRequest(_Strict):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @model_validator(mode="after")
-    def _unsupported(self) -> _GenerationRequest:
-        if self.n != 1:
-            raise ValueError("n: only n=1 is supported")
-        if self.presence_penalty != 0 or self.frequency_penalty != 0:
-            raise ValueError("presence_penalty / frequency_penalty: penalties are not supported (use 0)")
-        if self.logprobs:
-            raise ValueError("logprobs: not supported")
-        return self
+    def check_supported(self) -> None:
+        """Raise a 400 naming the first parameter set to a value this server does not implement."""
+        for name, neutral, why in self._checks:
+            if not neutral(getattr(self, name)):
+                raise unsupported(name, why)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise unsupported("stream_options.continuous_usage_stats", "not supported; use include_usage (send false)")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -167,10 +215,61 @@ class _GenerationRequest(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to return (None: no log-probabilities)."""
+        raise NotImplementedError
+
+
+_NO_TOOLS = "tool calling is not supported (send no tools, or an empty list)"
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="Alias of max_tokens.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # accepted at their neutral values only
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    _checks: ClassVar[list[_Check]] = [
+        *_COMMON_CHECKS,
+        ("tools", lambda v: not v, _NO_TOOLS),
+        ("functions", lambda v: not v, _NO_TOOLS),
+        ("tool_choice", lambda v: v in (None, "none", "auto"), _NO_TOOLS + "; tool_choice may be 'none' or 'auto'"),
+        ("function_call", lambda v: v in (None, "none", "auto"), _NO_TOOLS + "; function_call may be 'none' or 'auto'"),
+        (
+            "response_format",
+            lambda v: v is None or v.type == "text",
+            "only {'type': 'text'} is supported (no JSON mode or schema)",
+        ),
+        (
+            "reasoning_effort",
+            lambda v: v is None,
+            "not supported; bound the thinking with reasoning_budget (tokens) and choose think_model",
+        ),
+        ("service_tier", lambda v: v in (None, "auto", "default"), "only 'auto' or 'default' is supported"),
+        ("store", lambda v: not v, "stored completions are not supported (send false)"),
+        ("modalities", lambda v: v in (None, ["text"]), "only ['text'] is supported"),
+        ("audio", lambda v: v is None, "audio output is not supported"),
+        ("prediction", lambda v: v is None, "predicted outputs are not supported"),
+        ("web_search_options", lambda v: v is None, "web search is not supported"),
+    ]
 
     @model_validator(mode="after")
     def _alias(self) -> ChatCompletionRequest:
@@ -180,42 +279,61 @@ class ChatCompletionRequest(_GenerationRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code="invalid_value")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] = Field(description="Raw text (special-token strings allowed) or token ids.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="Raw text (special-token strings allowed) or token ids, or a list of either."
+    )
     echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    # accepted at their neutral values only
+    best_of: int | None = None
+    suffix: str | None = None
 
-    @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo: not supported")
-        return self
+    _checks: ClassVar[list[_Check]] = [
+        *_COMMON_CHECKS,
+        ("suffix", lambda v: not v, "insertion (suffix) is not supported (send null or leave it out)"),
+    ]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of not in (None, self.n):
+            raise unsupported("best_of", f"only best_of equal to n ({self.n}) is supported, got {self.best_of}")
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one or several, each text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError(400, "prompt: empty list", param="prompt", code="invalid_value")
+        if isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
 
 
 def parse_request(cls: type[_GenerationRequest], body: bytes) -> Any:
     """Validate a JSON body into ``cls``; :class:`OpenAIError` 400 naming the parameter otherwise."""
     try:
-        return cls.model_validate_json(body)
+        req = cls.model_validate_json(body)
     except ValidationError as err:
         raise validation_error(err) from None
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """The demo prompt of a conversation (see the module docstring for the template)."""
-    users = [i for i, m in enumerate(messages) if m.role == "user"]
-    if not users:
-        raise OpenAIError(400, "messages: at least one message with role 'user' is required", param="messages")
-    i = users[-1]
-    text = messages[i].text().strip()
-    if not text:
-        raise OpenAIError(400, f"messages.{i}.content: the last user message is empty", param=f"messages.{i}.content")
-    bad = [t for t in SPECIAL_TOKENS if t in text]
-    if bad:
-        raise OpenAIError(
-            400, f"messages.{i}.content: must not contain special tokens {bad}", param=f"messages.{i}.content"
-        )
-    text = text.removeprefix(PROMPT_PREFIX).strip()
-    return format_prompt(Problem(prompt=f"{PROMPT_PREFIX}{text}\n", reasoning="", answer=""))
+    req.check_supported()
+    return req
 
 
 # ---------------------------------------------------------------------- responses
@@ -240,6 +358,32 @@ class BudgetControl(BaseModel):
     answer_fed_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat log-probabilities: one entry per answer token."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions log-probabilities (parallel lists; prompt tokens first with ``echo``)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
@@ -250,6 +394,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -278,6 +423,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -294,7 +440,7 @@ class CompletionChoice(BaseModel):
     text: str
     reasoning_content: str | None = None
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -326,6 +472,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+# ---------------------------------------------------------------------- helpers
 def usage(prompt_tokens: int, reasoning_tokens: int, answer_tokens: int) -> Usage:
     completion = reasoning_tokens + answer_tokens
     return Usage(

@@ -1,8 +1,10 @@
 """The serving application for real: Ray Serve on a local Ray, HTTP on loopback, httpx and the openai client.
 
 One app per module (``serve.run`` costs ~10 s here) over a tiny random nested checkpoint with three
-budgets. The model's text is random; the tests check the protocol, budget routing, budget control
-(standard and elastic), streaming against non-streaming, errors, and that the replica survives.
+budgets and the demo tokenizer (one token per character, its chat template). The model's text is
+random; the tests check the protocol (log-probabilities against the model's own forward pass,
+``echo``, ``n``, lists of prompts, neutral values of unsupported fields), budget routing, budget
+control (standard and elastic), streaming against non-streaming, errors, and that the replica survives.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ CONFIG = {
     "autoscaling": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 4},
 }
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MESSAGES = [{"role": "system", "content": "ignored"}, {"role": "user", "content": "7+5*3-2"}]
+MESSAGES = [{"role": "system", "content": "Be brief.\n"}, {"role": "user", "content": "Q:7+5*3-2\n"}]
+PROMPT_TOKENS = 1 + len("Be brief.\n") + len("Q:7+5*3-2\n") + 1  # <bos>, one token per character, <think>
+SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<think>", "</think>")
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def test_chat_every_budget_stream_and_not(http, model):
     assert 0 < usage["completion_tokens_details"]["reasoning_tokens"] <= 6
     assert usage["completion_tokens"] > usage["completion_tokens_details"]["reasoning_tokens"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert usage["prompt_tokens"] == len("<bos>Q:7+5*3-2\n<think>") - len("<bos><think>") + 2
+    assert usage["prompt_tokens"] == PROMPT_TOKENS  # the system message and the template's tokens count
     assert body["budget_control"]["think_model"] == model and body["budget_control"]["answer_start"] == "continued"
 
     streamed = http.post(
@@ -193,6 +197,128 @@ def test_openai_client_completions(oai):
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
 
 
+# ---------------------------------------------------------------------- the OpenAI API as clients use it
+PROMPT = "<bos>Q:1+2\n"
+PROMPT_IDS = [1, 57, 34, 25, 19, 26, 7]  # <bos> Q : 1 + 2 \n in the demo vocabulary (char c -> 8 + ord(c) - 32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_nested_checkpoint):
+    """The budgets' own forward pass, in this process: log-probabilities of every prompt position."""
+    from components.serving.config import ServingConfig
+    from components.serving.loading import LoadedModel
+
+    loaded = LoadedModel.load(tiny_nested_checkpoint, ServingConfig(api_key_env=None))
+
+    def logprobs(budget: str, ids: list[int]) -> list[float]:
+        import torch
+
+        with torch.inference_mode():
+            logits = loaded.registry.get(budget)(torch.tensor([ids])).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)
+        return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+    return logprobs
+
+
+def test_completions_integer_logprobs_with_echo_as_vllm(oai, reference):
+    """lm-evaluation-harness's log-likelihood request: max_tokens 1, logprobs 1, echo, a token-id prompt."""
+    ctx = PROMPT_IDS[:4]  # context <bos>Q:1 ; continuation +2\n
+    out = oai.completions.create(model="medium", prompt=PROMPT_IDS, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    lp = out.choices[0].logprobs
+    assert lp.tokens[:7] == ["<bos>", "Q", ":", "1", "+", "2", "\n"] and len(lp.tokens) == 8  # prompt + 1 sampled
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert lp.token_logprobs[1:7] == pytest.approx(reference("medium", PROMPT_IDS), abs=1e-4)
+    assert lp.text_offset == [0, 5, 6, 7, 8, 9, 10, 11]  # characters of the token strings: "<bos>" is 5
+    for token, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True):
+        assert token in top and 1 <= len(top) <= 2  # the token itself plus its best alternative
+    assert max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]  # greedy: the sampled token is the best
+    assert out.choices[0].text.startswith(PROMPT)  # echo: the prompt, then what was generated
+    continuation = sum(lp.token_logprobs[len(ctx) : -1])  # what lm-eval sums for the continuation
+    assert continuation == pytest.approx(sum(reference("medium", PROMPT_IDS)[len(ctx) - 1 :]), abs=1e-4)
+    text = oai.completions.create(model="medium", prompt=PROMPT, max_tokens=1, logprobs=0, echo=True, temperature=0)
+    assert text.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert all(top is None or len(top) == 1 for top in text.choices[0].logprobs.top_logprobs)  # logprobs=0
+    plain = oai.completions.create(model="medium", prompt=PROMPT, max_tokens=3, logprobs=2, temperature=0)
+    assert len(plain.choices[0].logprobs.tokens) == plain.usage.completion_tokens  # no echo: generated only
+
+
+def test_completions_list_of_prompts_and_n(oai):
+    prompts = [PROMPT, "<bos>Q:3*3-1\n"]
+    kw = {"model": "small", "max_tokens": 4, "temperature": 0.9, "seed": 5}
+    out = oai.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]  # prompt * n + choice, as vLLM numbers them
+    assert out.usage.prompt_tokens == 7 + 9  # each prompt counted once
+    assert out.usage.completion_tokens == sum(
+        oai.completions.create(prompt=p, n=2, **kw).usage.completion_tokens for p in prompts
+    )
+    alone = [oai.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    assert [out.choices[0].text, out.choices[2].text] == alone  # choice 0 of each prompt: the request's seed
+    by_ids = oai.completions.create(prompt=[PROMPT_IDS, PROMPT_IDS], **kw)
+    assert [c.text for c in by_ids.choices] == [alone[0], alone[0]]  # token ids and text give the same tokens
+    streamed = oai.completions.create(prompt=prompts, n=2, stream=True, **kw)
+    texts = ["", "", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in out.choices]
+
+
+def test_chat_n_and_top_logprobs(oai):
+    kw = {"model": "medium", "messages": MESSAGES, "max_tokens": 5, "temperature": 1.0, "seed": 7}
+    out = oai.chat.completions.create(n=3, logprobs=True, top_logprobs=3, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.message.content + c.message.reasoning_content for c in out.choices}) > 1  # the choices differ
+    for choice in out.choices:
+        entries = choice.logprobs.content
+        assert "".join(e.token for e in entries if e.token not in SPECIAL) == choice.message.content
+        for e in entries:
+            assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+            assert len(e.top_logprobs) == 3 and e.logprob <= e.top_logprobs[0].logprob
+            assert e.bytes == list(e.token.encode())
+    one = oai.chat.completions.create(**kw)
+    assert one.choices[0].message.content == out.choices[0].message.content  # choice 0 keeps the request's seed
+    plain = oai.chat.completions.create(logprobs=True, **{**kw, "temperature": 0})
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)  # no top_logprobs asked
+    stream = oai.chat.completions.create(logprobs=True, stream=True, **{**kw, "temperature": 0})
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in plain.choices[0].logprobs.content]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(oai):
+    chat = oai.chat.completions.create(
+        model="small", messages=MESSAGES, max_tokens=3, temperature=0, n=1, presence_penalty=0, frequency_penalty=0,
+        logit_bias={}, parallel_tool_calls=False, tools=[], tool_choice="none", response_format={"type": "text"},
+        store=False, user="u-1", service_tier="auto", stream_options=None,
+    )  # fmt: skip
+    assert chat.choices[0].message.content is not None
+    legacy = oai.completions.create(
+        model="small", prompt=PROMPT, max_tokens=3, temperature=0, best_of=1, logit_bias={}, presence_penalty=0,
+        frequency_penalty=0, suffix=None, user="u-1", echo=False,
+    )  # fmt: skip
+    assert legacy.choices[0].text is not None
+
+
+def test_returned_text_never_holds_special_tokens(oai):
+    """Sampled at a high temperature, the random model emits special tokens; none reaches the client."""
+    out = oai.completions.create(model="full", prompt=[PROMPT] * 4, max_tokens=48, temperature=2.0, seed=3, logprobs=0)
+    raw = [t for c in out.choices for t in c.logprobs.tokens]
+    assert any(t in SPECIAL for t in raw)  # the model did generate some (this seed: checked once, fixed)
+    for c in out.choices:
+        assert not any(t in c.text for t in SPECIAL), c.text
+    chat = oai.chat.completions.create(
+        model="full",
+        messages=MESSAGES,
+        max_tokens=48,
+        temperature=2.0,
+        seed=3,
+        n=4,
+        extra_body={"reasoning_budget": 48},
+    )
+    for c in chat.choices:
+        assert not any(t in c.message.content or t in c.message.reasoning_content for t in SPECIAL)
+
+
 # ---------------------------------------------------------------------- errors
 def _corpus() -> list[tuple[str, dict, int, str]]:
     """(what, request kwargs, expected status, expected `param` or message fragment)."""
@@ -216,13 +342,22 @@ def _corpus() -> list[tuple[str, dict, int, str]]:
         ("negative reasoning_budget", post({**ok, "reasoning_budget": -2}), 400, "reasoning_budget"),
         ("temperature out of range", post({**ok, "temperature": 3.5}), 400, "temperature"),
         ("top_p zero", post({**ok, "top_p": 0}), 400, "top_p"),
-        ("n > 1", post({**ok, "n": 2}), 400, "n"),
+        ("too many choices", post({**ok, "n": 1000}), 400, "n"),
+        ("tools", post({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools"),
+        ("json mode", post({**ok, "response_format": {"type": "json_object"}}), 400, "response_format"),
+        ("top_logprobs too large", post({**ok, "logprobs": True, "top_logprobs": 50}), 400, "top_logprobs"),
         ("too many stops", post({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
         (
             "special token in content",
             post({**ok, "messages": [{"role": "user", "content": "1<think>"}]}),
             400,
-            "special",
+            "messages.0.content",
+        ),
+        (
+            "special token in system message",
+            post({**ok, "messages": [{"role": "system", "content": "<eos>"}, {"role": "user", "content": "1"}]}),
+            400,
+            "messages.0.content",
         ),
         ("unknown think_model", post({**ok, "think_model": "tiny"}), 400, "think_model"),
         ("think_model larger", post({**ok, "model": "small", "think_model": "full"}), 400, "think_model"),
@@ -244,6 +379,28 @@ def _corpus() -> list[tuple[str, dict, int, str]]:
             {"method": "POST", "url": "/v1/completions", "json": {"model": "full", "prompt": [1, 99999]}},
             400,
             "prompt",
+        ),
+        (
+            "logprobs as a boolean",
+            {"method": "POST", "url": "/v1/completions", "json": {"model": "full", "prompt": "a", "logprobs": True}},
+            400,
+            "logprobs",
+        ),
+        (
+            "best_of above n",
+            {"method": "POST", "url": "/v1/completions", "json": {"model": "full", "prompt": "a", "best_of": 3}},
+            400,
+            "best_of",
+        ),
+        (
+            "echo of a thinking prompt",
+            {
+                "method": "POST",
+                "url": "/v1/completions",
+                "json": {"model": "full", "prompt": "<bos>Q:1\n<think>", "echo": True, "logprobs": 0},
+            },
+            400,
+            "echo",
         ),
         ("unknown route", {"method": "GET", "url": "/v1/nothing"}, 404, "Not Found"),
         ("wrong method", {"method": "GET", "url": "/v1/chat/completions"}, 405, "Method Not Allowed"),
@@ -279,6 +436,14 @@ def test_metrics_per_budget(http):
     kinds = {(t["budget"], t["kind"]) for t in stats["metrics"]["tokens"]}
     assert ("medium", "reasoning") in kinds and ("medium", "completion") in kinds
     assert stats["rss_bytes"] > stats["weight_bytes"] > 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scrape = httpx.get(str(http.base_url.join("/metrics")), timeout=30)  # on the serving port, no key needed
+    assert scrape.status_code == 200 and scrape.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, s.labels.get("budget"), s.labels.get("status")): s.value
+               for f in text_string_to_metric_families(scrape.text) for s in f.samples}  # fmt: skip
+    assert samples[("star_elastic_requests_total", "medium", "200")] >= 1
+    assert samples[("star_elastic_engine_up", None, None)] == 1
 
 
 # ---------------------------------------------------------------------- the engine against the reference
@@ -304,10 +469,10 @@ def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
         out = []
         for job in jobs:
             deltas = []
-            while (event := await job.events.get())[0] not in ("done", "error"):
-                deltas.append(event)
-            assert event[0] == "done", event
-            out.append((event[1], deltas))
+            while (event := await job.events.get())[1] not in ("done", "error"):
+                deltas.append(event[1:])
+            assert event[1] == "done", event
+            out.append((event[2], deltas))
         return out
 
     try:
@@ -320,12 +485,13 @@ def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
                             loaded.registry.get(think), loaded.registry.get(answer), loaded.tokens, [p], cap, 8,
                             sampling, think_limit=12,
                         )[0]  # fmt: skip
+                        assert (res.reasoning_ids, res.answer_ids) == (ref.think_tokens, ref.answer_tokens)
                         ans = ref.answer_tokens[:-1] if ref.answer_stop == "stop_id" else ref.answer_tokens
-                        assert (res.reasoning, res.content) == (ref.think_text, tok.decode(ans))
+                        assert (res.reasoning, res.content) == (engine.text(ref.think_tokens), engine.text(ans))
                         assert (res.think_stop, res.answer_start) == (ref.think_stop, ref.answer_start)
                         assert res.reasoning_tokens == ref.think_generated
                         assert "".join(d for k, d in deltas if k == "reasoning") == res.reasoning
-                        assert "".join(d for k, d in deltas if k == "content") == res.content
+                        assert "".join(d[0] for k, d in deltas if k == "content") == res.content
         stats = engine.snapshot_stats()
         assert stats["max_batch_size"] >= 3  # prompts of two lengths decoded in one batch
         assert stats["merged_groups"] >= 1
@@ -355,16 +521,16 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
         jobs = [Job(first, "medium", "medium", None, 96, SamplingParams(), (), True, loop)]
         engine.submit(jobs[0])
         event = await jobs[0].events.get()  # the first request is decoding: it has streamed its thinking
-        assert event[0] == "reasoning", event
+        assert event[1] == "reasoning", event
         for p in later:
             jobs.append(Job(p, "medium", "medium", None, 24, SamplingParams(), (), False, loop))
             engine.submit(jobs[-1])
         out = []
         for job in jobs:
-            while (event := await job.events.get())[0] not in ("done", "error"):
+            while (event := await job.events.get())[1] not in ("done", "error"):
                 pass
-            assert event[0] == "done", event
-            out.append(event[1])
+            assert event[1] == "done", event
+            out.append(event[2])
         return out
 
     try:
@@ -372,8 +538,7 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
         model = loaded.registry.get("medium")
         for p, limit, res in zip([first, *later], [96, 24, 24], got, strict=True):
             ref = think_then_answer(model, model, loaded.tokens, [p], None, limit, SamplingParams(), think_limit=48)[0]
-            ans = ref.answer_tokens[:-1] if ref.answer_stop == "stop_id" else ref.answer_tokens
-            assert (res.reasoning, res.content) == (ref.think_text, tok.decode(ans))
+            assert (res.reasoning_ids, res.answer_ids) == (ref.think_tokens, ref.answer_tokens)
         stats = engine.snapshot_stats()
         if merge:  # the later requests joined the first one's batch while it was decoding
             assert stats["joined_running_batches"] >= 1 and stats["max_batch_size"] == 3

@@ -1,0 +1,157 @@
+"""Continuous batching of the serving engine: rows (one request in one phase) decoded together in groups.
+
+Design choices:
+
+* A *row* is one request in one phase (thinking or answering): what to feed, where to stop, its
+  sampling and what it has generated. Rows that start from the same cached length and feed the same
+  number of tokens to the same budget are prefilled together as a *group* (the rule of
+  :mod:`model.generate`: no padding ever enters a Mamba state).
+* Once prefilled, groups of one budget merge into one decoding batch (:meth:`Group.absorb`): Mamba
+  states are per row, and shorter KV histories are left-padded and masked
+  (:func:`model.cache.concat_caches`). When rows finish, the padding every remaining row shares is
+  trimmed. Sampling, stops and limits are per row, so requests with different parameters share a batch.
+* Stops: a stop id, a stop id sequence (a close marker the tokenizer splits into several tokens),
+  or a stop string (checked on the text a client would see). The token that ends a row is not fed;
+  with ``keep_state`` the row keeps its final cache (and a Mamba snapshot after its latest line
+  break) so the next phase can continue from it.
+* Log-probabilities are taken from the logits a row samples from (:func:`token_logprobs`); a group
+  holding an ``echo`` row keeps the prefill's logits at every position to score that prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from components.serving.logprobs import LogprobEntry, prompt_logprobs, token_logprobs
+from model import generate as gen  # the primitives of model.generate's batched loop
+from model.cache import concat_caches
+
+if TYPE_CHECKING:
+    from components.serving.engine import Job
+
+
+@dataclass(eq=False)
+class Row:
+    """One request in one phase: what to feed, where to stop, and what it has generated so far."""
+
+    job: Job
+    phase: Literal["think", "answer"]
+    budget: str
+    start: gen.RowStart
+    max_new: int
+    stop_ids: frozenset[int]
+    stop: tuple[str, ...]
+    seed: int | None
+    keep_state: bool = False
+    stop_seqs: tuple[tuple[int, ...], ...] = ()  # id sequences that end the row (the close marker)
+    tokens: list[int] = field(default_factory=list)
+    reason: str = "length"
+    state: gen.RowState | None = None
+    snapshot: gen.RowState | None = None
+
+    def __post_init__(self) -> None:
+        p = self.job.sampling
+        self.greedy = p.temperature == 0
+        self.params = gen.SamplingParams(temperature=p.temperature, top_p=p.top_p)
+        self.gen: torch.Generator | None = None  # made on the model's device when the row joins a group
+        self.want_lp = self.job.logprobs if self.phase == "answer" else None
+        self.lp: list[LogprobEntry] = []
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        if self.gen is None and not self.greedy:
+            seed = self.seed if self.seed is not None else random.getrandbits(62)
+            self.gen = torch.Generator(device=device).manual_seed(seed)
+        return self.gen
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """Rows with the same key can share a batch."""
+        return self.budget, self.start.state.length if self.start.state else 0, len(self.start.tokens)
+
+
+class Group:
+    """Rows decoded together on one budget model (the batched loop of :mod:`model.generate`)."""
+
+    def __init__(
+        self, model: torch.nn.Module, rows: list[Row], snapshot_ids: frozenset[int], decode: Callable[..., str]
+    ) -> None:
+        self.model, self.rows, self.snapshot_ids, self.decode = model, rows, snapshot_ids, decode
+        self.device = next(model.parameters()).device
+        for r in rows:
+            r.generator(self.device)
+        ids = torch.tensor([r.start.tokens for r in rows], dtype=torch.long, device=self.device)
+        states = [r.start.state for r in rows]
+        cache = gen.stack_rows(states) if states[0] is not None else None
+        self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
+        self.pads = [0] * len(rows)  # per row: KV slots before its history (self.length - tokens it consumed)
+        self.steps = 0  # decode steps taken
+        echo = [j for j, r in enumerate(rows) if r.job.echo and r.want_lp is not None and r.start.state is None]
+        res = model(ids, cache=cache, use_cache=True, logits_to_keep=0 if echo else 1)  # echo: every position
+        self.cache, self.logits = res.cache, res.logits[:, -1]
+        for j in echo:
+            job = rows[j].job
+            job.prompt_lp = prompt_logprobs(res.logits[j], rows[j].start.tokens, rows[j].want_lp)
+            if job.stream:
+                job.emit("prompt", job.prompt_lp)
+
+    def row_length(self, j: int) -> int:
+        """Tokens row ``j`` has consumed."""
+        return self.length - self.pads[j]
+
+    def absorb(self, other: Group) -> None:
+        """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded."""
+        length = max(self.length, other.length)
+        self.cache = concat_caches([self.cache, other.cache])
+        self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
+        self.rows = self.rows + other.rows
+        self.logits = torch.cat([self.logits, other.logits])
+        self.length = length
+        other.rows = []
+
+    def step(self) -> tuple[list[Row], list[Row]]:
+        """Sample one token for every row; returns (rows that got a token, rows that finished)."""
+        rows, logits = self.rows, self.logits
+        greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
+        stepped, finished, keep = list(rows), [], []
+        for j, row in enumerate(rows):
+            tok = greedy[j] if row.greedy else int(gen.sample_next(logits[j : j + 1], row.params, row.gen))
+            row.tokens.append(tok)
+            if row.want_lp is not None:
+                row.lp.append(token_logprobs(logits[j : j + 1], [tok], row.want_lp)[0])
+            if row.job.cancelled:
+                row.reason = "cancelled"
+            elif tok in row.stop_ids:
+                row.reason = "stop_id"
+            elif row.stop_seqs and gen.ends_with_any(row.tokens, row.stop_seqs):
+                row.reason = "stop_sequence"
+            elif row.stop and gen._hit_stop_string(row.tokens, row.stop, self.decode):
+                row.reason = "stop_string"
+            elif len(row.tokens) < row.max_new:
+                keep.append(j)
+                continue
+            if row.keep_state:  # the last token is not fed: the state holds everything before it
+                row.state = gen.take_row(self.cache, j, self.row_length(j))
+            finished.append(row)
+        if len(keep) < len(rows):
+            self.rows = [rows[j] for j in keep]
+            if keep:
+                pads = [self.pads[j] for j in keep]
+                trim = min(pads)  # padding every remaining row has: drop it
+                self.cache = self.cache.select(torch.tensor(keep, device=self.device), trim=trim)
+                self.pads = [p - trim for p in pads]
+                self.length -= trim
+        if self.rows:
+            nxt = [r.tokens[-1] for r in self.rows]
+            res = self.model(torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None], cache=self.cache)
+            self.cache, self.logits = res.cache, res.logits[:, -1]
+            self.length += 1
+            self.steps += 1
+            for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
+                if row.keep_state and tok in self.snapshot_ids:
+                    row.snapshot = gen.take_row(self.cache, j, self.row_length(j), kv=False)
+        return stepped, finished

@@ -1,0 +1,184 @@
+"""From the engine's events to OpenAI response bodies and server-sent events.
+
+Design choices:
+
+* A request's jobs share one event queue; every event is ``(choice index, kind, payload)``:
+  ``("reasoning", text)``, ``("content", (text, logprob entries or None))``, ``("prompt", entries)``
+  (echo with logprobs, streaming), ``("done", JobResult)`` or ``("error", message)``. The
+  non-streaming path waits for every ``done``; the streaming path turns each event into one chunk
+  for its choice, as vLLM streams ``n`` choices.
+* Choices are numbered ``prompt * n + k``; ``usage`` counts each prompt once and every generated
+  token of every choice. ``budget_control`` (an extension) describes the first choice.
+* With ``echo`` the prompt's text comes first in ``text``, and its tokens' log-probabilities
+  (the first one null) first in ``logprobs``; ``text_offset`` counts characters of the token
+  strings from the start of the returned text.
+* Whatever ends a request early (an error, a client that hangs up) cancels all of its jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from components.serving import protocol as P
+from components.serving.engine import Job, JobResult
+from components.serving.logprobs import LogprobEntry, TokenText, chat_logprobs, completion_logprobs
+from components.serving.state import Prompt
+
+Finish = Callable[[int, list[JobResult]], None]
+"""Called once per request with its HTTP status and finished results (for metrics)."""
+
+
+def cancel(jobs: Sequence[Job]) -> None:
+    for job in jobs:
+        job.cancelled = True
+
+
+async def collect(jobs: Sequence[Job]) -> list[JobResult]:
+    """Every job's result, in choice order; a failed job is a 500 (and cancels the others)."""
+    results: dict[int, JobResult] = {}
+    try:
+        while len(results) < len(jobs):
+            index, kind, payload = await jobs[0].events.get()
+            if kind == "done":
+                results[index] = payload
+            elif kind == "error":
+                raise P.OpenAIError(500, payload, type="server_error", code="generation_failed")
+    finally:
+        if len(results) < len(jobs):  # an error, or the client went away: stop decoding for it
+            cancel(jobs)
+    return [results[i] for i in range(len(jobs))]
+
+
+def usage(prompts: Sequence[Prompt], results: Sequence[JobResult]) -> P.Usage:
+    return P.usage(
+        sum(len(p.ids) for p in prompts),
+        sum(r.reasoning_tokens for r in results),
+        sum(r.answer_tokens for r in results),
+    )
+
+
+def budget_control(job: Job, r: JobResult) -> P.BudgetControl:
+    return P.BudgetControl(
+        think_model=job.think_budget, answer_model=job.answer_budget, think_stop=r.think_stop,
+        answer_start=r.answer_start, answer_fed_tokens=r.answer_fed,
+    )  # fmt: skip
+
+
+class Renderer:
+    """Response bodies of one request: ``token_text`` shows a token id in logprobs fields."""
+
+    def __init__(self, req: Any, jobs: Sequence[Job], prompts: Sequence[Prompt], token_text: TokenText) -> None:
+        self.req, self.jobs, self.prompts, self.token_text = req, jobs, prompts, token_text
+        self.chat = isinstance(req, P.ChatCompletionRequest)
+        self.echo = bool(getattr(req, "echo", False))
+        self.id = P.new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = P.now()
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.req.n]
+
+    def chat_lp(self, entries: list[LogprobEntry] | None) -> P.ChoiceLogprobs | None:
+        return None if entries is None else chat_logprobs(entries, self.token_text)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ whole responses
+    def body(self, results: list[JobResult]) -> P.ChatCompletion | P.Completion:
+        control = budget_control(self.jobs[0], results[0])
+        use = usage(self.prompts, results)
+        if self.chat:
+            choices = [
+                P.ChatChoice(
+                    index=i, message=P.AssistantMessage(content=r.content, reasoning_content=r.reasoning),
+                    finish_reason=r.finish_reason, logprobs=self.chat_lp(r.logprobs),
+                )
+                for i, r in enumerate(results)
+            ]  # fmt: skip
+            return P.ChatCompletion(
+                id=self.id, created=self.created, model=self.req.model, choices=choices, usage=use,
+                budget_control=control,
+            )  # fmt: skip
+        out = []
+        for i, r in enumerate(results):
+            text, entries = r.content, r.logprobs
+            if self.echo:
+                text = self.prompt_of(i).echo_text + text
+                if entries is not None:
+                    entries = [*(r.prompt_logprobs or []), *entries]
+            logprobs = None if entries is None else completion_logprobs(entries, self.token_text)
+            out.append(
+                P.CompletionChoice(
+                    index=i, text=text, reasoning_content=r.reasoning, finish_reason=r.finish_reason, logprobs=logprobs
+                )
+            )
+        return P.Completion(
+            id=self.id, created=self.created, model=self.req.model, choices=out, usage=use, budget_control=control
+        )
+
+    # ------------------------------------------------------------------ streams
+    def _chunk(
+        self,
+        index: int,
+        reasoning: str | None = None,
+        content: str | None = None,
+        finish_reason: str | None = None,
+        entries: list[LogprobEntry] | None = None,
+        first: bool = False,
+    ) -> bytes:
+        if self.chat:
+            delta = P.ChatDelta(role="assistant" if first else None, content=content, reasoning_content=reasoning)
+            choice = P.ChatChunkChoice(
+                index=index, delta=delta, finish_reason=finish_reason, logprobs=self.chat_lp(entries)
+            )
+            return P.sse(
+                P.ChatCompletionChunk(id=self.id, created=self.created, model=self.req.model, choices=[choice])
+            )
+        logprobs = None
+        if entries is not None:
+            logprobs = completion_logprobs(entries, self.token_text, self._offsets[index])
+            self._offsets[index] += sum(len(t) for t in logprobs.tokens)
+        c = P.CompletionChoice(
+            index=index, text=content or "", reasoning_content=reasoning, finish_reason=finish_reason, logprobs=logprobs
+        )
+        return P.sse(P.Completion(id=self.id, created=self.created, model=self.req.model, choices=[c]))
+
+    async def stream(self, finish: Finish) -> AsyncIterator[bytes]:
+        """Server-sent events of every choice, then usage (if asked) and ``[DONE]``."""
+        n = len(self.jobs)
+        self._offsets = [0] * n
+        results: dict[int, JobResult] = {}
+        wants_prompt_lp = self.echo and self.req.logprobs_k is not None
+        try:
+            for i in range(n):
+                if self.chat:
+                    yield self._chunk(i, content="", first=True)
+                elif self.echo and not wants_prompt_lp:
+                    yield self._chunk(i, content=self.prompt_of(i).echo_text)
+            while len(results) < n:
+                index, kind, payload = await self.jobs[0].events.get()
+                if kind == "prompt":
+                    yield self._chunk(index, content=self.prompt_of(index).echo_text, entries=payload)
+                elif kind == "reasoning":
+                    yield self._chunk(index, reasoning=payload)
+                elif kind == "content":
+                    text, entries = payload
+                    yield self._chunk(index, content=text, entries=entries)
+                elif kind == "error":
+                    finish(500, list(results.values()))
+                    yield P.sse(P.OpenAIError(500, payload, type="server_error", code="generation_failed").body())
+                    return
+                else:
+                    results[index] = payload
+                    yield self._chunk(index, finish_reason=payload.finish_reason)
+            done = [results[i] for i in range(n)]
+            finish(200, done)
+            if self.req.include_usage:
+                obj = "chat.completion.chunk" if self.chat else "text_completion"
+                u = usage(self.prompts, done)
+                yield P.sse(
+                    {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
+                     "choices": [], "usage": u.model_dump()}
+                )  # fmt: skip
+            yield P.sse("[DONE]")
+        finally:
+            if len(results) < n:  # an error, or the client disconnected mid-stream
+                cancel(self.jobs)

@@ -1,0 +1,347 @@
+"""What one replica holds, and how a validated request becomes jobs for the engine.
+
+Design choices:
+
+* :class:`ServingState` is the replica: one weight copy (:class:`~components.serving.loading.LoadedModel`),
+  the decode thread (:class:`~components.serving.engine.Engine`), metrics, admission, identity.
+  It knows nothing about HTTP beyond reading a bounded body and checking the bearer key.
+* Admission (:class:`Admission`) is the replica's backpressure: ``max_ongoing_requests`` requests
+  run, ``max_queued_requests`` more wait for a slot in arrival order, any further one is refused at
+  once with an OpenAI-shaped 503 carrying ``Retry-After``. A request holds its slot until its last
+  token is sent (streams included).
+* Prompts. Chat: the messages go through the checkpoint's chat template
+  (``TextTokenizer.prompt_ids``) after :func:`~components.serving.protocol.chat_messages` refused
+  control text in them. A chat request always has a thinking phase unless the template itself
+  closed the thinking (a generation prompt ending with the close marker: a template switched to
+  no-thinking); when the generation prompt does not open it, the open marker's ids are appended,
+  so budget control applies to every reasoning model. Completions: raw text (special-token strings
+  become their tokens) or token ids; a prompt ending with the open marker (trailing whitespace
+  aside) thinks, any other is one plain phase.
+* ``n`` and lists: one :class:`~components.serving.engine.Job` per (prompt, choice), all sharing one
+  event queue, indexed ``prompt * n + choice``. Choice 0 uses the request's ``seed`` (so ``n=1``
+  and choice 0 of ``n>1`` agree), choice k > 0 the seed ``row_seed(seed, k)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from components.serving import protocol as P
+from components.serving.config import ServingConfig, resolve_checkpoint
+from components.serving.engine import Engine, EngineStopped, Job
+from components.serving.loading import LoadedModel
+from components.serving.metrics import ServingMetrics
+from model.generate import SamplingParams, row_seed
+
+
+def chat_messages(messages: Sequence[P.ChatMessage], forbidden: Callable[[str], list[str]]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them, after refusing control text in any of them.
+
+    ``forbidden(text)`` lists the special tokens and reasoning markers found in ``text``; a message
+    holding one is a 400 naming the message, the field and the tokens. At least one message must
+    come from the user.
+    """
+    if not any(m.role == "user" for m in messages):
+        raise P.OpenAIError(400, "messages: at least one message with role 'user' is required", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        item: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.reasoning_content is not None:
+            item["reasoning_content"] = m.reasoning_content
+        if m.name is not None:
+            item["name"] = m.name
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
+        for key in ("content", "reasoning_content", "name"):
+            text = item.get(key)
+            bad = forbidden(text) if isinstance(text, str) else []
+            if bad:
+                param = f"messages.{i}.{key}"
+                raise P.OpenAIError(
+                    400,
+                    f"{param}: must not contain the special tokens or reasoning markers {bad} (they would act "
+                    "as control tokens); remove them from the text",
+                    param=param,
+                    code="special_token",
+                )
+        out.append(item)
+    return out
+
+
+class Admission:
+    """At most ``ongoing`` holders at once, at most ``queued`` waiting (-1: unbounded); more -> 503."""
+
+    def __init__(self, ongoing: int, queued: int, retry_after_s: float) -> None:
+        self.ongoing, self.queued, self.retry_after_s = ongoing, queued, retry_after_s
+        self.running = 0
+        self.rejected = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    async def acquire(self) -> None:
+        if self.running < self.ongoing and not self.waiting:
+            self.running += 1
+            return
+        if 0 <= self.queued <= self.waiting:
+            self.rejected += 1
+            raise P.unavailable(
+                f"the server is overloaded: {self.running} requests running and {self.waiting} waiting on this "
+                f"replica (limits {self.ongoing} + {self.queued}); retry later",
+                self.retry_after_s,
+            )
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # release() hands its slot over: `running` already counts this request
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # the slot arrived as the caller left: pass it on
+                self.release()
+            raise
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its ids, whether it thinks, and the text ``echo`` returns."""
+
+    ids: list[int]
+    thinks: bool
+    echo_text: str
+
+
+class ServingState:
+    """What one replica holds: the engine over one weight copy, metrics, admission, identity (pid, start time)."""
+
+    def __init__(self, model_uri: str, config: ServingConfig) -> None:
+        self.model_uri, self.config = model_uri, config
+        self.api_key = config.resolved_api_key()
+        self.loaded = LoadedModel.load(resolve_checkpoint(model_uri, config), config)
+        self.engine = Engine(self.loaded, config).start()
+        self.metrics = ServingMetrics()
+        self.admission = Admission(config.max_ongoing_requests, config.max_queued_requests, config.retry_after_s)
+        self.pid, self.started_at = os.getpid(), time.time()
+        self.cards = self.loaded.cards
+        tok = self.loaded.tokenizer
+        self.markers = tuple(m for m in (tok.markers.think_open, tok.markers.think_close) if m)
+        self._tail = len(tok.think_open_ids) + len(tok.think_close_ids) + 8  # tokens decoded to find a marker
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    def memory(self) -> dict[str, Any]:
+        import psutil
+
+        registry = self.loaded.registry
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in registry.full.state_dict().values()
+        }
+        return {
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "weight_bytes": sum(storages.values()),  # the one weight copy (each storage counted once)
+            "copied_bytes": registry.copied_bytes(),  # per budget: what building its model allocated
+        }
+
+    # ------------------------------------------------------------------ HTTP-level checks
+    def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.OpenAIError(
+                401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )  # fmt: skip
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_request_bytes
+        too_big = P.OpenAIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():  # bounded even without (or with a lying) Content-Length
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    # ------------------------------------------------------------------ prompts
+    def forbidden(self, text: str) -> list[str]:
+        """Special tokens and reasoning markers found in user text."""
+        found = list(self.loaded.tokenizer.contains_special(text))
+        return found + [m for m in self.markers if m in text and m not in found]
+
+    def thinking(self, ids: list[int]) -> str | None:
+        """``"open"`` when ``ids`` end with the open marker (trailing whitespace aside), ``"closed"``
+        when with the close marker, else None."""
+        tok = self.loaded.tokenizer
+        tail = tok.decode(ids[-self._tail :]).rstrip()
+        if tail.endswith(tok.markers.think_open):
+            return "open"
+        if tail.endswith(tok.markers.think_close):
+            return "closed"
+        return None
+
+    def chat_prompt(self, messages: list[P.ChatMessage]) -> Prompt:
+        tok = self.loaded.tokenizer
+        ids = list(tok.prompt_ids(chat_messages(messages, self.forbidden)))
+        state = self.thinking(ids)
+        if state is None:  # the template does not open the thinking: open it, so budget control applies
+            ids += list(tok.think_open_ids)
+        return Prompt(ids, state != "closed", "")
+
+    def completion_prompt(self, prompt: str | list[int], param: str) -> Prompt:
+        tok = self.loaded.tokenizer
+        if isinstance(prompt, str):
+            ids, text = tok.encode(prompt), prompt
+        else:
+            bad = [i for i in prompt if not 0 <= i < tok.vocab_size]
+            if bad:
+                raise P.OpenAIError(400, f"{param}: token ids {bad[:5]} outside [0, {tok.vocab_size})", param=param)
+            ids, text = list(prompt), tok.decode(prompt)
+        return Prompt(ids, self.thinking(ids) == "open" if ids else False, text)
+
+    # ------------------------------------------------------------------ request -> jobs
+    def _limit(self, value: int | None, default: int | None, name: str, minimum: int) -> int | None:
+        if value is None:
+            return default
+        cap = self.config.max_tokens_limit
+        if not minimum <= value <= cap:
+            raise P.OpenAIError(
+                400, f"{name}: must be between {minimum} and {cap}, got {value}", param=name, code="invalid_value"
+            )
+        return value
+
+    def check_budget(self, name: str, param: str) -> str:
+        if name not in self.cards:
+            status = 404 if param == "model" else 400
+            raise P.OpenAIError(
+                status, f"{param}: unknown model {name!r}; served models are {list(self.cards)}",
+                param=param, code="model_not_found",
+            )  # fmt: skip
+        return name
+
+    def prompts(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> list[Prompt]:
+        """The request's prompts, checked (non-empty, not too long)."""
+        cfg = self.config
+        if isinstance(req, P.ChatCompletionRequest):
+            prompts, params = [self.chat_prompt(req.messages)], ["messages"]
+        else:
+            raw = req.prompts
+            params = ["prompt"] if len(raw) == 1 else [f"prompt.{i}" for i in range(len(raw))]
+            prompts = [self.completion_prompt(p, param) for p, param in zip(raw, params, strict=True)]
+        for p, param in zip(prompts, params, strict=True):
+            if not p.ids:
+                raise P.OpenAIError(400, f"{param}: empty prompt", param=param)
+            if len(p.ids) > cfg.max_prompt_tokens:
+                raise P.OpenAIError(
+                    400, f"{param}: {len(p.ids)} tokens, more than the limit of {cfg.max_prompt_tokens}", param=param
+                )
+        return prompts
+
+    def make_jobs(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[list[Job], list[Prompt]]:
+        """One job per (prompt, choice), sharing one event queue; the prompts too (for ``echo``)."""
+        cfg = self.config
+        model = self.check_budget(req.model, "model")
+        max_tokens = self._limit(req.max_tokens, cfg.default_max_tokens, "max_tokens", 1)
+        cap = self._limit(req.reasoning_budget, cfg.default_think_cap, "reasoning_budget", 0)
+        prompts = self.prompts(req)
+        count = len(prompts) * req.n
+        if count > cfg.max_choices_per_request:
+            raise P.OpenAIError(
+                400, f"n: {len(prompts)} prompt(s) x n={req.n} = {count} sequences, more than the limit of "
+                f"{cfg.max_choices_per_request} per request", param="n", code="invalid_value",
+            )  # fmt: skip
+        echo = bool(getattr(req, "echo", False))
+        think = None
+        if any(p.thinks for p in prompts):
+            think = self.check_budget(req.think_model, "think_model") if req.think_model is not None else model
+            size_t, size_a = self.cards[think].active_params, self.cards[model].active_params
+            if size_t > size_a and not cfg.allow_think_larger:
+                raise P.OpenAIError(
+                    400, f"think_model: {think!r} ({size_t:,} active parameters) is larger than model {model!r} "
+                    f"({size_a:,}); elastic budget control thinks on a smaller budget", param="think_model",
+                )  # fmt: skip
+            if echo:
+                raise P.OpenAIError(
+                    400, "echo: not supported for a prompt that opens a thinking phase (the answer does not follow "
+                    "the prompt directly); send a prompt without the open marker", param="echo",
+                )  # fmt: skip
+        if isinstance(req, P.CompletionRequest) and not all(p.thinks for p in prompts):
+            marker = self.loaded.tokenizer.markers.think_open
+            for name in ("think_model", "reasoning_budget"):
+                if getattr(req, name) is not None:
+                    raise P.OpenAIError(
+                        400, f"{name}: this prompt has no thinking phase (a completion prompt must end with "
+                        f"{marker!r} to think)", param=name,
+                    )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        jobs = []
+        for i, p in enumerate(prompts):
+            for k in range(req.n):
+                seed = req.seed if req.seed is None or k == 0 else row_seed(req.seed, k)
+                sampling = SamplingParams(
+                    max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed
+                )
+                jobs.append(
+                    Job(
+                        p.ids, model, think if p.thinks else None, cap, max_tokens, sampling, req.stops, req.stream,
+                        loop, events=events, index=i * req.n + k, logprobs=req.logprobs_k, echo=echo,
+                    )
+                )  # fmt: skip
+        return jobs, prompts
+
+    def submit(self, jobs: list[Job]) -> None:
+        try:
+            for job in jobs:
+                self.engine.submit(job)
+        except EngineStopped as err:
+            for job in jobs:
+                job.cancelled = True
+            raise P.unavailable(
+                f"the model is not serving: {err}", self.config.retry_after_s, code="unavailable"
+            ) from None
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """Replica-level series for ``/metrics``."""
+        stats = self.engine.snapshot_stats()
+        mem = self.memory()
+        return {
+            "star_elastic_requests_running": ("Requests this replica is working on.", self.admission.running),
+            "star_elastic_requests_waiting": ("Requests waiting for a slot on this replica.", self.admission.waiting),
+            "star_elastic_requests_rejected_total": (
+                "Requests refused with 503 because the replica was full.", self.admission.rejected,
+            ),
+            "star_elastic_engine_active_batches": ("Batches the decode thread is stepping.", stats["active_groups"]),
+            "star_elastic_engine_pending_rows": ("Sequences waiting to be prefilled.", stats["pending_rows"]),
+            "star_elastic_engine_decode_steps_total": ("Batched decode steps taken.", stats.get("decode_steps", 0)),
+            "star_elastic_engine_max_batch_size": ("Largest batch decoded so far.", stats.get("max_batch_size", 0)),
+            "star_elastic_engine_up": ("1 while the decode thread runs.", 1.0 if self.engine.alive else 0.0),
+            "star_elastic_resident_memory_bytes": ("Resident set size of the replica process.", mem["rss_bytes"]),
+            "star_elastic_weight_bytes": ("Bytes of the one weight copy every budget views.", mem["weight_bytes"]),
+        }  # fmt: skip
