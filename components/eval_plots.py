@@ -1,4 +1,5 @@
-"""Plots of the evaluate stage, and the curve arithmetic behind the elastic-vs-standard comparison.
+"""Plots of the evaluate stage, and the curve arithmetic behind the elastic-vs-standard comparison
+(:func:`best_elastic_vs_standard`, :func:`carry_comparison`, on the stage's result rows).
 
 Design choices:
 
@@ -56,6 +57,114 @@ def latency_for(front: Sequence[Point], accuracy: float) -> float | None:
         if a0 < accuracy <= a1:
             return l0 + (l1 - l0) * (accuracy - a0) / (a1 - a0)
     return front[-1][0]  # pragma: no cover - accuracy <= front[-1][1] is always bracketed above
+
+
+# ---------------------------------------------------------------------- comparison
+def _curve(rows: Sequence[dict[str, Any]], think: str, answer: str) -> list[dict[str, Any]]:
+    return [
+        r
+        for r in rows
+        if r["think_budget"] == think and r["answer_budget"] == answer and r["level"] == "all" and not r["carry_state"]
+    ]
+
+
+def best_elastic_vs_standard(results: dict[str, Any], cost_key: str = "mean_latency_s") -> dict[str, Any]:
+    """The best elastic pair against standard budget control on the full budget.
+
+    Method: the standard curve is the Pareto front of the full budget's (latency, accuracy)
+    points over the caps, linearly interpolated between measured caps (no extrapolation). For
+    each point of an elastic pair: ``accuracy gain at equal latency`` = its accuracy minus the
+    front's accuracy at its latency; ``speedup at equal accuracy`` = the front's latency to reach
+    its accuracy divided by its latency (> 1: elastic is faster). A pair's score is its largest
+    gain (then its largest speedup); the best pair maximises it. ``None`` where a point lies
+    outside the measured range of the standard curve. ``cost_key``: the row field used as latency
+    (measured ``mean_latency_s``, or the ``mean_weight_passes`` proxy of :func:`weight_passes`).
+    """
+    rows = results["rows"]
+    full = results["full_budget"]
+    std_pts = [(r[cost_key], r["accuracy"]) for r in _curve(rows, full, full)]
+    front = pareto_front(std_pts)
+    pairs: dict[str, Any] = {}
+    for think, answer in {(r["think_budget"], r["answer_budget"]) for r in rows}:
+        if think == answer:
+            continue
+        points = []
+        for r in _curve(rows, think, answer):
+            lat, acc = r[cost_key], r["accuracy"]
+            std_acc, std_lat = accuracy_at(front, lat), latency_for(front, acc)
+            points.append(
+                {
+                    "think_cap": r["think_cap"],
+                    "latency_s": lat,
+                    "accuracy": acc,
+                    "standard_accuracy_at_latency": std_acc,
+                    "accuracy_gain": None if std_acc is None else acc - std_acc,
+                    "standard_latency_at_accuracy": std_lat,
+                    "speedup": None if std_lat is None or lat <= 0 else std_lat / lat,
+                }
+            )
+        gains = [p for p in points if p["accuracy_gain"] is not None]
+        speeds = [p for p in points if p["speedup"] is not None]
+        pairs[f"{think}->{answer}"] = {
+            "think_budget": think,
+            "answer_budget": answer,
+            "points": points,
+            "best_gain": max(gains, key=lambda p: p["accuracy_gain"], default=None),
+            "best_speedup": max(speeds, key=lambda p: p["speedup"], default=None),
+        }
+    out: dict[str, Any] = {
+        "full_budget": full,
+        "cost": cost_key,
+        "standard_front": front,
+        "pairs": pairs,
+        "method": _METHOD,
+    }
+    if not pairs or not front:
+        out["best_pair"] = None
+        out["reason"] = "no elastic pairs were evaluated" if not pairs else "no standard curve for the full budget"
+        return out
+
+    def key(item: tuple[str, dict[str, Any]]) -> tuple[float, float]:
+        s = item[1]
+        gain = s["best_gain"]["accuracy_gain"] if s["best_gain"] else float("-inf")
+        speed = s["best_speedup"]["speedup"] if s["best_speedup"] else float("-inf")
+        return gain, speed
+
+    name, best = max(sorted(pairs.items()), key=key)
+    out["best_pair"] = name
+    out["accuracy_gain_at_equal_latency"] = best["best_gain"]
+    out["speedup_at_equal_accuracy"] = best["best_speedup"]
+    return out
+
+
+_METHOD = (
+    "standard = Pareto front of the full budget over thinking caps, linear between measured caps; "
+    "gain = elastic accuracy - standard accuracy at the same latency; "
+    "speedup = standard latency to reach the elastic accuracy / elastic latency"
+)
+
+
+def carry_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per elastic pair and cap (overall rows): carried-state accuracy minus re-prefill accuracy, latency ratio."""
+    base = {
+        (r["think_budget"], r["answer_budget"], r["think_cap"]): r
+        for r in rows
+        if r["level"] == "all" and not r["carry_state"] and r["control"] == "elastic"
+    }
+    out: dict[str, Any] = {}
+    for r in rows:
+        if r["level"] != "all" or not r["carry_state"]:
+            continue
+        b = base[(r["think_budget"], r["answer_budget"], r["think_cap"])]
+        cap = "none" if r["think_cap"] is None else str(r["think_cap"])
+        out.setdefault(f"{r['think_budget']}->{r['answer_budget']}", {})[cap] = {
+            "accuracy_delta": r["accuracy"] - b["accuracy"],
+            "latency_ratio": r["mean_latency_s"] / b["mean_latency_s"] if b["mean_latency_s"] > 0 else None,
+            "answer_fed_carry": r["mean_answer_fed"],
+            "answer_fed_re_prefill": b["mean_answer_fed"],
+            "carry_note": r.get("carry_note"),
+        }
+    return out
 
 
 # ---------------------------------------------------------------------- plots

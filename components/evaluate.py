@@ -1,10 +1,12 @@
 """The evaluate stage: accuracy and latency of every budget, standard and elastic budget control.
 
-Flow: materialize the checkpoint -> load the parent once and a weight-sharing view per budget
-(:class:`~model.budget_view.BudgetRegistry`) -> build the problem sets (built-in levels and JSONL
-files) -> for every (think budget, answer budget) pair, thinking cap and problem set run
-:func:`~model.phases.budget_control` in batches -> aggregate -> ``results.json``, ``results.csv``,
-``pareto.png`` -> log params, metrics and artifacts.
+Flow: materialize the checkpoint -> load its tokenizer (:class:`~components.data.tokenizer.TextTokenizer`,
+with the configured reasoning markers), the parent once and a weight-sharing view per budget
+(:class:`~model.budget_view.BudgetRegistry`) -> build the evaluation sets (JSONL files, local or
+``s3://``, and/or the built-in held-out levels; :mod:`components.eval_sets`) and render every
+question with the tokenizer's chat template -> for every (think budget, answer budget) pair,
+thinking cap and table row run :func:`~model.phases.budget_control` in batches -> aggregate ->
+``results.json``, ``results.csv``, ``pareto.png`` -> log params, metrics and artifacts.
 
 Design choices:
 
@@ -16,14 +18,19 @@ Design choices:
   ``batch_size``; each problem is charged its batch's wall time divided by the batch size (both
   phases, re-prefill included). Every budget gets one untimed warm-up call first, so one-time
   costs (lazy initialisation, allocator growth) do not land on whichever pair runs first.
-* Deterministic for a fixed seed: problems come from seeded generators, decoding is greedy by
-  default (sampling uses per-row seeds). Latencies are wall times and vary run to run.
-* An answer is read with :func:`~components.data.extract_answer` from ``</think>`` + the answer
-  text; anything unexpected (no answer, garbage, an exception) counts as wrong.
+* Deterministic for a fixed seed: problems come from files or seeded generators, decoding is greedy
+  by default (sampling uses per-row seeds). Latencies are wall times and vary run to run.
+* Thinking caps count tokens between the markers; a marker the tokenizer splits into several
+  tokens is handled by :mod:`model.phases` (appended whole, detected as a suffix).
+* An answer is read from the answer phase's text by :class:`~components.data.answers.AnswerReader`
+  with the set's ``answer_format`` (``prefix "A:"`` for the demo, ``boxed``, ``hash``, ``regex``,
+  ``last_number``); anything unexpected (no answer, garbage, an exception) counts as wrong.
+* Defaults are sized for a real reasoning model (thousands of thinking tokens, bf16 on a GPU when
+  there is one); the demo config sets its own small limits.
 * ``carry_state_compare`` reruns every elastic pair with Mamba/KV state carried from the thinking
   budget instead of re-prefilling, and reports accuracy and latency deltas (and any fallback).
-* :func:`best_elastic_vs_standard` compares each elastic pair's curve with standard control on
-  the full budget along interpolated Pareto fronts (see :mod:`components.eval_plots`).
+* :func:`~components.eval_plots.best_elastic_vs_standard` compares each elastic pair's curve with
+  standard control on the full budget along interpolated Pareto fronts.
 """
 
 from __future__ import annotations
@@ -39,10 +46,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm import tqdm
 
-from components.data import THINK_CLOSE, Problem, extract_answer, format_prompt, generate_eval_sets, is_correct
-from components.data.jsonl import load_jsonl
-from components.data.tokenizer import TOKENIZER_FILE, CharTokenizer
-from components.eval_plots import accuracy_at, latency_for, pareto_front, pareto_plot
+from components.data.answers import AnswerFormat, AnswerReader
+from components.data.tokenizer import ReasoningMarkers, TextTokenizer
+from components.eval_plots import best_elastic_vs_standard, carry_comparison, pareto_plot
+from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set, thinking_prompt
 from components.tracking import NullTracker, Tracker
 from model.budget_view import BudgetRegistry
 from model.generate import SamplingParams
@@ -69,6 +76,7 @@ CSV_COLUMNS = (
     "mean_answer_fed",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_LEVELS = [1, 2, 3, 4, 5, 6]
 
 
 class EvalConfig(BaseModel):
@@ -80,15 +88,37 @@ class EvalConfig(BaseModel):
         description="Nested checkpoint folder or s3:// prefix: config.json (with an 'elastic' section listing the "
         "budgets; without one the checkpoint is a single budget 'full'), weights and the tokenizer files beside them."
     )
-    levels: list[int] = Field(
-        default_factory=lambda: [1, 2, 3, 4, 5, 6], description="Built-in difficulty levels (reasoning steps)."
+    eval_sets: list[EvalSetConfig] = Field(
+        default_factory=list,
+        description="JSONL evaluation sets (a path, or {path, answer_field, group_by, answer_format, ...}); "
+        "rows hold prompt (str) or messages (chat) and a reference answer.",
+    )
+    levels: list[int] | None = Field(
+        None,
+        description="Built-in generator's held-out levels (reasoning steps). null: [1..6] when eval_sets is "
+        "empty, none otherwise; []: none.",
     )
     n_per_level: int = Field(50, ge=1, description="Held-out built-in problems per level.")
     seed: int = Field(0, description="Seed of the built-in problems and of sampling.")
-    jsonl_sets: list[str] = Field(default_factory=list, description="Extra problem sets (JSONL paths), one level each.")
+    answer_format: AnswerFormat = Field(
+        default_factory=AnswerFormat,
+        description="How to read the model's answer: {kind: prefix|boxed|hash|regex|last_number, prefix, pattern, "
+        "fallback_last_number}; the default is the demo's 'A:' prefix. An eval set may override it.",
+    )
+    markers: ReasoningMarkers = Field(
+        default_factory=ReasoningMarkers,
+        description="Reasoning markers (think_open, think_close) as the tokenizer spells them; special tokens or "
+        "token sequences.",
+    )
+    open_think: bool = Field(
+        True,
+        description="Append the think_open marker to a rendered prompt whose chat template does not end with it "
+        "(budget control decodes the thinking first).",
+    )
     think_caps: list[int | None] = Field(
-        default_factory=lambda: [0, 4, 8, 16, 32, None],
-        description="Thinking caps in tokens (0: answer directly; null: no cap, up to think_limit).",
+        default_factory=lambda: [0, 256, 512, 1024, 2048, None],
+        description="Thinking caps in tokens between the markers (0: answer directly; null: no cap, up to "
+        "think_limit).",
     )
     elastic_pairs: Literal["all"] | list[tuple[str, str]] = Field(
         "all",
@@ -99,16 +129,24 @@ class EvalConfig(BaseModel):
     carry_state_compare: bool = Field(
         False, description="Also run elastic pairs carrying Mamba/KV state instead of re-prefilling, and compare."
     )
-    max_answer_tokens: int = Field(16, ge=1, description="Most tokens of the answer phase.")
-    think_limit: int = Field(256, ge=1, description="Most thinking tokens when the cap is null.")
+    max_answer_tokens: int = Field(1024, ge=1, description="Most tokens of the answer phase.")
+    think_limit: int = Field(4096, ge=1, description="Most thinking tokens when the cap is null.")
     temperature: float = Field(0.0, ge=0, description="Sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass when sampling.")
-    batch_size: int = Field(64, ge=1, description="Problems decoded together; latency = batch wall time / batch.")
+    batch_size: int = Field(32, ge=1, description="Problems decoded together; latency = batch wall time / batch.")
     output_dir: str = Field("runs/evaluate", description="Local folder for results.json, results.csv and the plot.")
-    device: str = Field("cpu", description="torch device of the model.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight dtype.")
+    device: str = Field("auto", description="torch device of the model; auto: cuda when present, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype; auto: bfloat16 on CUDA, float32 otherwise."
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: leave as is).")
     progress: bool = Field(True, description="Show a progress bar.")
+
+    @field_validator("eval_sets", mode="before")
+    @classmethod
+    def _paths(cls, sets: Any) -> Any:
+        # a bare string is a path with the default field names
+        return [{"path": s} if isinstance(s, str) else s for s in sets] if isinstance(sets, list) else sets
 
     @field_validator("think_caps")
     @classmethod
@@ -124,17 +162,36 @@ class EvalConfig(BaseModel):
 
     @field_validator("levels")
     @classmethod
-    def _levels(cls, levels: list[int]) -> list[int]:
-        bad = [lv for lv in levels if lv < 1]
+    def _levels(cls, levels: list[int] | None) -> list[int] | None:
+        bad = [lv for lv in levels or [] if lv < 1]
         if bad:
             raise ValueError(f"levels: every level is a number of steps >= 1, got {bad}")
         return levels
 
     @model_validator(mode="after")
     def _some_problems(self) -> EvalConfig:
-        if not self.levels and not self.jsonl_sets:
-            raise ValueError("levels / jsonl_sets: nothing to evaluate; give built-in levels or JSONL files")
+        if not self.builtin_levels and not self.eval_sets:
+            raise ValueError("levels / eval_sets: nothing to evaluate; give JSONL eval_sets or built-in levels")
         return self
+
+    @property
+    def builtin_levels(self) -> list[int]:
+        """The built-in levels evaluated (``levels`` null: the default levels when no eval_sets)."""
+        if self.levels is None:
+            return [] if self.eval_sets else list(DEFAULT_LEVELS)
+        return list(self.levels)
+
+    def resolved_device(self) -> str:
+        """``device`` with auto resolved: cuda when available, else cpu."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> torch.dtype:
+        """``dtype`` with auto resolved: bfloat16 on a CUDA device, float32 otherwise."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if torch.device(self.resolved_device()).type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
 
 
 class EvalOutputs(BaseModel):
@@ -148,18 +205,21 @@ class EvalOutputs(BaseModel):
 
 
 # ---------------------------------------------------------------------- inputs
-def problem_sets(config: EvalConfig) -> dict[str, list[Problem]]:
-    """Label -> problems: built-in levels as ``"1"``, ``"2"``, ...; JSONL files by file stem."""
-    sets = {str(lv): ps for lv, ps in generate_eval_sets(config.levels, config.n_per_level, config.seed).items()}
-    for i, path in enumerate(config.jsonl_sets):
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"jsonl_sets[{i}]: file not found: {p}")
-        problems = load_jsonl(p)
-        if not problems:
-            raise ValueError(f"jsonl_sets[{i}]: {p} holds no problems")
-        label = p.stem if p.stem not in sets else f"{p.stem}-{i}"
-        sets[label] = problems
+def problem_sets(config: EvalConfig) -> dict[str, list[EvalItem]]:
+    """Table label -> items: JSONL sets (by name, or ``name/group`` per group) and built-in levels
+    (``"1"``, ``"2"``, ...); see :mod:`components.eval_sets` for labels and row layouts."""
+    levels = config.builtin_levels
+    single = len(config.eval_sets) + (1 if levels else 0) == 1
+    sets: dict[str, list[EvalItem]] = {}
+    for i, cfg in enumerate(config.eval_sets):
+        for label, items in load_eval_set(cfg, config.answer_format, prefix=not single, index=i).items():
+            if label in sets:
+                raise ValueError(f"eval_sets[{i}]: label {label!r} is used twice; give the set another name")
+            sets[label] = items
+    for label, items in builtin_items(levels, config.n_per_level, config.seed, config.answer_format).items():
+        if label in sets:
+            raise ValueError(f"levels: label {label!r} is also an eval set's label; give the set another name")
+        sets[label] = items
     return sets
 
 
@@ -187,10 +247,15 @@ def resolve_pairs(config: EvalConfig, registry: BudgetRegistry) -> list[tuple[st
 
 
 # ---------------------------------------------------------------------- scoring
-def score(problem: Problem, result: PhaseResult) -> bool:
-    """Whether the answer phase holds the right answer; never raises (anything odd is wrong)."""
+def score(item: EvalItem, result: PhaseResult, reader: AnswerReader | None = None) -> bool:
+    """Whether the answer phase holds the reference answer; never raises (anything odd is wrong).
+
+    ``reader``: markers and stop tokens (a tokenizer's, :meth:`AnswerReader.for_tokenizer`); its
+    format is replaced by the item's ``answer_format``. Default: the demo's special tokens.
+    """
     try:
-        return bool(is_correct(extract_answer(THINK_CLOSE + result.answer_text), problem.answer))
+        base = reader or AnswerReader()
+        return base.with_format(getattr(item, "answer_format", None)).is_correct(result.answer_text, item.answer)
     except Exception:  # a scorer must not stop an evaluation over one odd output
         return False
 
@@ -216,12 +281,16 @@ def weight_passes(result: PhaseResult, think_share: float, answer_share: float) 
 
 
 def _summarize(
-    problems: Sequence[Problem], results: Sequence[PhaseResult], think_share: float = 1.0, answer_share: float = 1.0
+    items: Sequence[EvalItem],
+    results: Sequence[PhaseResult],
+    think_share: float = 1.0,
+    answer_share: float = 1.0,
+    reader: AnswerReader | None = None,
 ) -> dict[str, Any]:
     n = len(results)
     return {
         "n": n,
-        "accuracy": sum(score(p, r) for p, r in zip(problems, results, strict=True)) / n,
+        "accuracy": sum(score(p, r, reader) for p, r in zip(items, results, strict=True)) / n,
         "mean_latency_s": sum(r.seconds for r in results) / n,
         "mean_weight_passes": sum(weight_passes(r, think_share, answer_share) for r in results) / n,
         "mean_think_tokens": sum(len(r.think_tokens) for r in results) / n,
@@ -229,114 +298,6 @@ def _summarize(
         "mean_think_generated": sum(r.think_generated for r in results) / n,
         "mean_answer_fed": sum(r.answer_fed for r in results) / n,
     }
-
-
-# ---------------------------------------------------------------------- comparison
-def _curve(rows: Sequence[dict[str, Any]], think: str, answer: str) -> list[dict[str, Any]]:
-    return [
-        r
-        for r in rows
-        if r["think_budget"] == think and r["answer_budget"] == answer and r["level"] == "all" and not r["carry_state"]
-    ]
-
-
-def best_elastic_vs_standard(results: dict[str, Any], cost_key: str = "mean_latency_s") -> dict[str, Any]:
-    """The best elastic pair against standard budget control on the full budget.
-
-    Method: the standard curve is the Pareto front of the full budget's (latency, accuracy)
-    points over the caps, linearly interpolated between measured caps (no extrapolation). For
-    each point of an elastic pair: ``accuracy gain at equal latency`` = its accuracy minus the
-    front's accuracy at its latency; ``speedup at equal accuracy`` = the front's latency to reach
-    its accuracy divided by its latency (> 1: elastic is faster). A pair's score is its largest
-    gain (then its largest speedup); the best pair maximises it. ``None`` where a point lies
-    outside the measured range of the standard curve. ``cost_key``: the row field used as latency
-    (measured ``mean_latency_s``, or the ``mean_weight_passes`` proxy of :func:`weight_passes`).
-    """
-    rows = results["rows"]
-    full = results["full_budget"]
-    std_pts = [(r[cost_key], r["accuracy"]) for r in _curve(rows, full, full)]
-    front = pareto_front(std_pts)
-    pairs: dict[str, Any] = {}
-    for think, answer in {(r["think_budget"], r["answer_budget"]) for r in rows}:
-        if think == answer:
-            continue
-        points = []
-        for r in _curve(rows, think, answer):
-            lat, acc = r[cost_key], r["accuracy"]
-            std_acc, std_lat = accuracy_at(front, lat), latency_for(front, acc)
-            points.append(
-                {
-                    "think_cap": r["think_cap"],
-                    "latency_s": lat,
-                    "accuracy": acc,
-                    "standard_accuracy_at_latency": std_acc,
-                    "accuracy_gain": None if std_acc is None else acc - std_acc,
-                    "standard_latency_at_accuracy": std_lat,
-                    "speedup": None if std_lat is None or lat <= 0 else std_lat / lat,
-                }
-            )
-        gains = [p for p in points if p["accuracy_gain"] is not None]
-        speeds = [p for p in points if p["speedup"] is not None]
-        pairs[f"{think}->{answer}"] = {
-            "think_budget": think,
-            "answer_budget": answer,
-            "points": points,
-            "best_gain": max(gains, key=lambda p: p["accuracy_gain"], default=None),
-            "best_speedup": max(speeds, key=lambda p: p["speedup"], default=None),
-        }
-    out: dict[str, Any] = {
-        "full_budget": full,
-        "cost": cost_key,
-        "standard_front": front,
-        "pairs": pairs,
-        "method": _METHOD,
-    }
-    if not pairs or not front:
-        out["best_pair"] = None
-        out["reason"] = "no elastic pairs were evaluated" if not pairs else "no standard curve for the full budget"
-        return out
-
-    def key(item: tuple[str, dict[str, Any]]) -> tuple[float, float]:
-        s = item[1]
-        gain = s["best_gain"]["accuracy_gain"] if s["best_gain"] else float("-inf")
-        speed = s["best_speedup"]["speedup"] if s["best_speedup"] else float("-inf")
-        return gain, speed
-
-    name, best = max(sorted(pairs.items()), key=key)
-    out["best_pair"] = name
-    out["accuracy_gain_at_equal_latency"] = best["best_gain"]
-    out["speedup_at_equal_accuracy"] = best["best_speedup"]
-    return out
-
-
-_METHOD = (
-    "standard = Pareto front of the full budget over thinking caps, linear between measured caps; "
-    "gain = elastic accuracy - standard accuracy at the same latency; "
-    "speedup = standard latency to reach the elastic accuracy / elastic latency"
-)
-
-
-def carry_comparison(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per elastic pair and cap (overall rows): carried-state accuracy minus re-prefill accuracy, latency ratio."""
-    base = {
-        (r["think_budget"], r["answer_budget"], r["think_cap"]): r
-        for r in rows
-        if r["level"] == "all" and not r["carry_state"] and r["control"] == "elastic"
-    }
-    out: dict[str, Any] = {}
-    for r in rows:
-        if r["level"] != "all" or not r["carry_state"]:
-            continue
-        b = base[(r["think_budget"], r["answer_budget"], r["think_cap"])]
-        cap = "none" if r["think_cap"] is None else str(r["think_cap"])
-        out.setdefault(f"{r['think_budget']}->{r['answer_budget']}", {})[cap] = {
-            "accuracy_delta": r["accuracy"] - b["accuracy"],
-            "latency_ratio": r["mean_latency_s"] / b["mean_latency_s"] if b["mean_latency_s"] > 0 else None,
-            "answer_fed_carry": r["mean_answer_fed"],
-            "answer_fed_re_prefill": b["mean_answer_fed"],
-            "carry_note": r.get("carry_note"),
-        }
-    return out
 
 
 # ---------------------------------------------------------------------- the stage
@@ -356,6 +317,17 @@ def _write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
             writer.writerow({**r, "think_cap": _cap_label(r["think_cap"])})
 
 
+def load_tokenizer(folder: Path, markers: ReasoningMarkers) -> TextTokenizer:
+    """The checkpoint's tokenizer; a clear error naming ``checkpoint_uri`` when it cannot be loaded."""
+    try:
+        return TextTokenizer.load(folder, markers)
+    except Exception as err:  # transformers raises OSError, ValueError, ...: say where and what
+        raise ValueError(
+            f"checkpoint_uri: cannot load the tokenizer beside the checkpoint in {folder} "
+            f"({type(err).__name__}: {err}); write tokenizer.json and tokenizer_config.json there"
+        ) from None
+
+
 def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutputs:
     """Run the stage (module docstring); returns output paths, metrics and the comparison."""
     from components.storage import materialize
@@ -364,18 +336,21 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
     if config.threads:
         torch.set_num_threads(config.threads)
     folder = materialize(config.checkpoint_uri)
-    if not (folder / TOKENIZER_FILE).is_file():
-        raise ValueError(f"checkpoint_uri: no {TOKENIZER_FILE} beside the checkpoint in {folder}")
-    tok = CharTokenizer.load(folder)
-    registry = BudgetRegistry.from_checkpoint(folder, dtype=_DTYPES[config.dtype], device=config.device, nested=True)
+    tok = load_tokenizer(folder, config.markers)
+    sets = problem_sets(config)  # before the weights: a bad eval set fails in seconds
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    registry = BudgetRegistry.from_checkpoint(folder, dtype=dtype, device=device, nested=True)
     pairs = resolve_pairs(config, registry)
     full_active = registry.active_params[registry.names[0]]
-    sets = problem_sets(config)
     tokens = PhaseTokens.from_tokenizer(tok)
+    reader = AnswerReader.for_tokenizer(config.answer_format, tok)
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-    tracker.log_params({"evaluate": config.model_dump(mode="json"), "budgets": registry.active_params})
+    resolved = {"device": device, "dtype": str(dtype).removeprefix("torch.")}
+    tracker.log_params({"evaluate": {**config.model_dump(mode="json"), **resolved}, "budgets": registry.active_params})
 
-    prompts = {label: [tok.encode(format_prompt(p)) for p in ps] for label, ps in sets.items()}
+    prompts = {
+        label: [thinking_prompt(tok, it.messages, config.open_think) for it in items] for label, items in sets.items()
+    }
     first = next(iter(prompts.values()))[:1]
     for name in registry.names:  # untimed warm-up of every budget
         budget_control(registry, name, name, tokens, first, 2, 2, sampling, think_limit=config.think_limit)
@@ -401,7 +376,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
                 )  # fmt: skip
             notes.update(r.carry_note for r in outs if r.carry_note)
             shares = (registry.active_params[think] / full_active, registry.active_params[answer] / full_active)
-            per_level.append({"level": label, **_summarize(problems, outs, *shares)})
+            per_level.append({"level": label, **_summarize(problems, outs, *shares, reader=reader)})
             bar.update(1)
             bar.set_postfix(pair=f"{think}->{answer}", cap=_cap_label(cap))
         key = {
@@ -422,7 +397,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
         if r["control"] == "standard" and r["think_cap"] is None and not r["carry_state"]:
             per_budget[r["think_budget"]][r["level"]] = r["accuracy"]
     results: dict[str, Any] = {
-        "config": config.model_dump(mode="json"),
+        "config": {**config.model_dump(mode="json"), **resolved},
         "full_budget": full,
         "budgets": [{"name": b, "active_params": registry.active_params[b]} for b in registry.names],
         "levels": {label: len(ps) for label, ps in sets.items()},

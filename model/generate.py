@@ -13,6 +13,9 @@ Design choices:
   not depend on which other rows share its batch or on bucketing, so regrouping rows between
   phases keeps results reproducible. Greedy decoding takes the argmax and needs no generator.
 * Stops: a stop id ends a row when sampled (the id is kept as the row's last token); a stop
+  sequence of ids ends it when the row's tokens end with it (a suffix match, so a marker that
+  the tokenizer splits into several tokens still stops the row; the whole sequence is kept as the
+  row's tail; a one-id sequence is the stop-id case); a stop
   string ends it when it appears in the decoded tail of the row (needs ``decode``). The tail
   window is as many tokens as the longest stop string has characters, which covers any
   occurrence as long as every token decodes to at least one character.
@@ -41,15 +44,16 @@ from model.masks import ModelMask
 Decode = Callable[[Sequence[int]], str]
 """Token ids -> text; needed for stop strings."""
 
-StopReason = Literal["stop_id", "stop_string", "length"]
+StopReason = Literal["stop_id", "stop_sequence", "stop_string", "length"]
 
 
 @dataclass
 class SamplingParams:
     """``temperature`` 0 means greedy; ``top_p`` < 1 keeps the smallest nucleus with that mass.
 
-    ``stop_ids`` end a row when sampled; ``stop`` strings end it when they appear in its decoded
-    text (``generate(..., decode=...)`` is then required).
+    ``stop_ids`` end a row when sampled; ``stop_sequences`` (tuples of ids) end it when the row's
+    tokens end with one of them; ``stop`` strings end it when they appear in its decoded text
+    (``generate(..., decode=...)`` is then required).
     """
 
     max_new_tokens: int = 64
@@ -58,6 +62,7 @@ class SamplingParams:
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -68,6 +73,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         self.stop_ids = tuple(int(i) for i in self.stop_ids)
         self.stop = tuple(self.stop)
+        self.stop_sequences = tuple(tuple(int(i) for i in seq) for seq in self.stop_sequences)
+        if any(not seq for seq in self.stop_sequences):
+            raise ValueError("stop_sequences: every stop sequence needs at least one id")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
 
@@ -201,6 +209,12 @@ def hit_stop_string(tokens: list[int], stop: tuple[str, ...], decode: Decode) ->
 _hit_stop_string = hit_stop_string  # earlier private name, still imported elsewhere
 
 
+def ends_with_any(tokens: Sequence[int], sequences: Sequence[Sequence[int]]) -> bool:
+    """Whether ``tokens`` ends with one of ``sequences`` (each a non-empty tuple of ids)."""
+    n = len(tokens)
+    return any(len(s) <= n and all(tokens[n - len(s) + k] == t for k, t in enumerate(s)) for s in sequences)
+
+
 @torch.no_grad()
 def _decode_group(
     model,
@@ -220,6 +234,8 @@ def _decode_group(
     device = _device(model)
     gens = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
     stop_ids = set(params.stop_ids)
+    # a suffix check only on steps whose token can end a stop sequence
+    seq_last = {seq[-1] for seq in params.stop_sequences}
     ids = torch.tensor([s.tokens for s in starts], dtype=torch.long, device=device)
     cache = stack_rows([s.state for s in starts]) if starts[0].state is not None else None
     length = (starts[0].state.length if cache is not None else 0) + ids.shape[1]
@@ -237,6 +253,8 @@ def _decode_group(
             row.tokens.append(tok)
             if tok in stop_ids:
                 row.stop_reason = "stop_id"
+            elif tok in seq_last and ends_with_any(row.tokens, params.stop_sequences):
+                row.stop_reason = "stop_sequence"
             elif params.stop and hit_stop_string(row.tokens, params.stop, decode):
                 row.stop_reason = "stop_string"
             elif len(row.tokens) < params.max_new_tokens:

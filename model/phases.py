@@ -2,17 +2,23 @@
 
 Design choices:
 
-* The thinking phase stops when the model emits ``</think>`` (a token id; another think-stop id
-  such as ``<eos>`` also ends it). A cap of T thinking tokens decodes at most T tokens and, if no
-  ``</think>`` came, cuts at the LAST line break inside those T tokens (the line break is kept),
-  or at T when there is none; ``</think>`` is then appended. Cap 0 answers directly. With no cap
-  (``None``) the phase may run to ``think_limit`` tokens and is cut by the same rule if it gets
-  there (``think_stop == "limit"``).
+* The thinking phase stops when the model emits the close marker ``</think>``: a sequence of
+  token ids (one id when the tokenizer has it as a single token), detected as a suffix of the
+  row's tokens; another think-stop id such as ``<eos>`` also ends it. Caps count thinking tokens,
+  the tokens between the markers: a cap of T decodes at most T tokens plus the marker's first
+  L-1 tokens (L = marker length), so thinking that closes on its own keeps at most T-1 tokens
+  whatever L is (for L = 1: the marker's one id counts against the cap, as it always has). If no
+  marker came, the thinking is cut at the LAST line break inside its first T tokens (the line
+  break is kept), or at T when there is none, a trailing partial marker is dropped, and the whole
+  marker is appended. Cap 0 answers directly. With no cap (``None``) the phase may run to
+  ``think_limit`` tokens and is cut by the same rule if it gets there (``think_stop == "limit"``).
 * Standard budget control (``think_model is answer_model``) continues from the cache: the
   thinking phase keeps each row's final cache and a snapshot of its Mamba states after its
   latest line break (a Mamba state cannot be rewound; a KV cache is truncated), so a cut row
-  resumes exactly at its cut and only ``</think>`` (plus, for a row cut at the cap, the one
-  sampled-but-unfed token) is fed before the answer is decoded. No re-prefill.
+  resumes exactly at its cut and only the close marker (plus, for a row cut at the cap, the one
+  sampled-but-unfed token) is fed before the answer is decoded. No re-prefill. (With a
+  multi-token marker a cut row whose extra L-1 tokens hold a line break has no usable snapshot
+  and re-prefills; ``answer_start`` says so.)
 * Elastic budget control (two models) re-prefills ``prompt + thinking + </think>`` on the answer
   model, as the method prescribes. ``carry_state=True`` instead hands the thinking model's
   caches (Mamba conv/SSM states, attention KV) to the answer model when their shapes agree:
@@ -36,7 +42,17 @@ from typing import Any, Literal
 
 import torch
 
-from model.generate import Decode, RowOutput, RowStart, RowState, SamplingParams, decode_rows, rewind, row_seed
+from model.generate import (
+    Decode,
+    RowOutput,
+    RowStart,
+    RowState,
+    SamplingParams,
+    decode_rows,
+    ends_with_any,
+    rewind,
+    row_seed,
+)
 from model.hybrid import HybridLM
 
 DEFAULT_THINK_LIMIT = 512
@@ -50,28 +66,46 @@ AnswerStart = Literal["continued", "carried", "re_prefill", "prefill"]
 class PhaseTokens:
     """The token ids the two phases need, and an optional ``decode`` (ids -> text) for texts and stop strings.
 
-    ``think_close``: the ``</think>`` id. ``line_breaks``: ids whose text holds a newline (cap cuts).
-    ``answer_stop_ids``: ids that end the answer (e.g. ``<eos>``). ``think_stop_ids``: other ids that
-    end thinking early (e.g. ``<eos>``; ``</think>`` is then appended like after a cut).
+    ``think_close``: the ids of the close marker ``</think>`` (an int is taken as a one-id marker).
+    ``line_breaks``: ids whose text holds a newline (cap cuts). ``answer_stop_ids``: ids that end the
+    answer (e.g. ``<eos>``). ``think_stop_ids``: other ids that end thinking early (e.g. ``<eos>``;
+    the close marker is then appended like after a cut).
     """
 
-    think_close: int
+    think_close: tuple[int, ...]
     line_breaks: frozenset[int]
     answer_stop_ids: tuple[int, ...] = ()
     think_stop_ids: tuple[int, ...] = ()
     decode: Decode | None = None
 
+    def __post_init__(self) -> None:
+        close = self.think_close
+        close = (close,) if isinstance(close, int) else tuple(close)
+        if not close or not all(isinstance(i, int) and not isinstance(i, bool) for i in close):
+            raise ValueError(
+                f"think_close: expected a token id or a non-empty sequence of ids, got {self.think_close!r}"
+            )
+        object.__setattr__(self, "think_close", close)  # frozen: normalised once here
+
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> PhaseTokens:
-        """From a tokenizer with ``think_close_id``, ``eos_id``, ``vocab_size`` and ``decode``
-        (e.g. :class:`~components.data.tokenizer.CharTokenizer`); line breaks found by decoding
-        every id once (O(vocab))."""
+        """From a :class:`~components.data.tokenizer.TextTokenizer` (``think_close_ids``, ``stop_ids``,
+        ``vocab_size``, ``decode``); line breaks found by decoding every id once (O(vocab))."""
         decode: Callable[[Sequence[int]], str] = tokenizer.decode
-        breaks = frozenset(i for i in range(tokenizer.vocab_size) if "\n" in decode([i]))
+        hf = getattr(tokenizer, "hf", None)
+        ids = range(tokenizer.vocab_size)
+        if hf is not None:  # one batched call: a real vocabulary has 10^5 ids
+            texts = hf.batch_decode([[i] for i in ids])
+        else:
+            texts = [decode([i]) for i in ids]
+        breaks = frozenset(i for i, t in zip(ids, texts, strict=True) if "\n" in t)
         if not breaks:
             raise ValueError("tokenizer has no token containing a line break; cap cuts need one")
-        eos = (tokenizer.eos_id,)
-        return cls(tokenizer.think_close_id, breaks, answer_stop_ids=eos, think_stop_ids=eos, decode=decode)
+        close = tuple(tokenizer.think_close_ids)
+        if not close:
+            raise ValueError("tokenizer: the close marker encodes to no token; check markers.think_close")
+        stops = tuple(tokenizer.stop_ids)
+        return cls(close, breaks, answer_stop_ids=stops, think_stop_ids=stops, decode=decode)
 
 
 @dataclass
@@ -113,14 +147,47 @@ def cut_thinking(tokens: Sequence[int], cap: int, line_breaks: frozenset[int]) -
 
 
 def kept_thinking(out: RowOutput, cap: int, tokens: PhaseTokens, capped: bool) -> tuple[list[int], ThinkStop]:
-    """The thinking a row keeps (``</think>`` excluded) and why it ended; ``capped``: a cap (not the limit) applied."""
-    if out.stop_reason == "stop_id":
-        return out.tokens[:-1], "close" if out.tokens[-1] == tokens.think_close else "stop"
-    return cut_thinking(out.tokens, cap, tokens.line_breaks), "cap" if capped else "limit"
+    """The thinking a row keeps (close marker excluded) and why it ended; ``capped``: a cap (not the limit) applied.
+
+    A row that ended on a stop id or stop sequence ending in the close marker closed on its own;
+    one that ended on another stop id stopped (that id dropped); otherwise the first ``cap``
+    tokens are cut at their last line break and a trailing partial marker is dropped.
+    """
+    close = tokens.think_close
+    if out.stop_reason in ("stop_id", "stop_sequence"):
+        if ends_with_any(out.tokens, (close,)):
+            return out.tokens[: len(out.tokens) - len(close)], "close"
+        return out.tokens[:-1], "stop"
+    kept = cut_thinking(out.tokens, cap, tokens.line_breaks)
+    return drop_partial_marker(kept, close), "cap" if capped else "limit"
+
+
+def drop_partial_marker(kept: list[int], close: Sequence[int]) -> list[int]:
+    """``kept`` without a trailing proper prefix of ``close`` (the marker is appended whole after a cut)."""
+    for k in range(min(len(close) - 1, len(kept)), 0, -1):
+        if kept[len(kept) - k :] == list(close[:k]):
+            return kept[: len(kept) - k]
+    return kept
+
+
+def resume_target(prompt_len: int, generated: Sequence[int], answer_feed: Sequence[int]) -> int:
+    """Most tokens a saved thinking state may have consumed and still continue ``prompt + answer_feed``.
+
+    ``generated``: the thinking phase's tokens; ``answer_feed``: kept thinking + close marker. The
+    state's tokens are ``prompt + generated[:m]``; it is usable while those are a prefix of
+    ``prompt + answer_feed`` and at least one token is left to feed.
+    """
+    m = 0
+    for a, b in zip(generated, answer_feed, strict=False):
+        if a != b:
+            break
+        m += 1
+    return prompt_len + min(m, len(answer_feed) - 1)
 
 
 def resume_state(out: RowOutput, target: int) -> RowState | None:
-    """The latest saved state that has consumed at most ``target`` tokens (the rest is fed again)."""
+    """The latest saved state that has consumed at most ``target`` tokens (the rest is fed again);
+    ``target`` from :func:`resume_target`."""
     if out.state is not None and out.state.length <= target:
         return out.state
     if out.state is not None and out.snapshot is not None and out.snapshot.length <= target:
@@ -194,7 +261,7 @@ def think_then_answer(
 ) -> list[PhaseResult]:
     """Think on ``think_model`` (at most ``think_cap`` tokens), then answer on ``answer_model``.
 
-    ``prompts`` are token ids ending where thinking starts (after ``<think>``). ``sampling``
+    ``prompts`` are token ids ending where thinking starts (after the open marker ``<think>``). ``sampling``
     gives temperature / top-p / seed (its ``stop_ids`` and ``stop`` strings apply to the answer;
     its ``max_new_tokens`` is ignored). See the module docstring for caps, continuation and carry.
     """
@@ -214,7 +281,13 @@ def think_then_answer(
     outs: list[RowOutput] | None = None
     think_wall = 0.0
     if cap > 0:
-        params = replace(sampling, max_new_tokens=cap, stop_ids=(tokens.think_close, *tokens.think_stop_ids), stop=())
+        params = replace(
+            sampling,
+            max_new_tokens=cap + len(tokens.think_close) - 1,  # the marker's first L-1 ids do not count
+            stop_ids=tokens.think_stop_ids,
+            stop_sequences=(tokens.think_close,),
+            stop=(),
+        )
         starts = [RowStart(list(p)) for p in prompts]
         outs, think_wall = _timed(
             lambda: decode_rows(
@@ -239,10 +312,10 @@ def think_then_answer(
     for i, p in enumerate(prompts):
         kept, stop = kept_thinking(outs[i], cap, tokens, think_cap is not None) if outs is not None else ([], "none")
         kept_rows.append((kept, stop))
-        seq = [*p, *kept, tokens.think_close]
+        seq = [*p, *kept, *tokens.think_close]
         state = None
         if outs is not None and (same or (carry_state and note is None)):
-            state = resume_state(outs[i], len(p) + len(kept))
+            state = resume_state(outs[i], resume_target(len(p), outs[i].tokens, seq[len(p) :]))
         if state is not None:
             answer_starts.append(RowStart(seq[state.length :], state))
             modes.append("continued" if same else "carried")

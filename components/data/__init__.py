@@ -1,16 +1,12 @@
-"""Built-in demo data: verifiable chained modular arithmetic with ``<think>`` traces, a character
-tokenizer, a JSONL source, answer extraction and training batch builders."""
+"""Data for every stage: the tokenizer (transformers ``AutoTokenizer``), the ``data`` section (a
+weighted mixture of JSONL / Parquet files, the built-in generator and reasoning-gym tasks), rendering
+rows through the chat template with assistant-only targets, deterministic per-rank training batches,
+the built-in verifiable reasoning task and answer extraction."""
 
 from components.data.answers import extract_answer, is_correct, normalize_answer
-from components.data.batches import (
-    BatchStream,
-    TrainBatch,
-    batch_stream,
-    encode_examples,
-    make_batch,
-    pack_examples,
-)
-from components.data.jsonl import load_jsonl, save_jsonl
+from components.data.batches import TrainBatch, assemble_batch, make_batch
+from components.data.jsonl import problem_rows, read_jsonl, write_jsonl
+from components.data.mixture import describe_data, make_data_batch
 from components.data.reasoning import (
     ANSWER_PREFIX,
     BOS,
@@ -27,19 +23,27 @@ from components.data.reasoning import (
     derive_seed,
     eval_prompts,
     evaluate_chain,
-    format_prompt,
-    format_training_text,
     generate_eval_sets,
     generate_problems,
     held_out_prompts,
     iter_problems,
     parse_prompt,
 )
-from components.data.tokenizer import CharTokenizer, build_tokenizer, load_tokenizer, save_tokenizer
+from components.data.render import Example, Row, TemplateError, render_rows
+from components.data.sources import (
+    DataConfig,
+    FilesSource,
+    GeneratorSource,
+    ReasoningGymSource,
+    SourceConfig,
+    problem_messages,
+)
+from components.data.tokenizer import DEMO_CHAT_TEMPLATE, ReasoningMarkers, TextTokenizer, build_demo_tokenizer
 
 __all__ = [
     "ANSWER_PREFIX",
     "BOS",
+    "DEMO_CHAT_TEMPLATE",
     "EOS",
     "EVAL_SEED_OFFSET",
     "PAD",
@@ -47,32 +51,39 @@ __all__ = [
     "THINK_CLOSE",
     "THINK_OPEN",
     "UNK",
-    "BatchStream",
-    "CharTokenizer",
+    "DataConfig",
+    "Example",
+    "FilesSource",
+    "GeneratorSource",
     "Problem",
     "ProblemConfig",
+    "ReasoningGymSource",
+    "ReasoningMarkers",
+    "Row",
+    "SourceConfig",
+    "TemplateError",
+    "TextTokenizer",
     "TrainBatch",
-    "batch_stream",
-    "build_tokenizer",
+    "assemble_batch",
+    "build_demo_tokenizer",
     "check_trace",
     "derive_seed",
-    "encode_examples",
+    "describe_data",
     "eval_prompts",
     "evaluate_chain",
     "extract_answer",
-    "format_prompt",
-    "format_training_text",
     "generate_eval_sets",
-    "held_out_prompts",
     "generate_problems",
+    "held_out_prompts",
     "is_correct",
     "iter_problems",
-    "load_jsonl",
-    "load_tokenizer",
     "make_batch",
+    "make_data_batch",
     "normalize_answer",
-    "pack_examples",
     "parse_prompt",
-    "save_jsonl",
-    "save_tokenizer",
+    "problem_messages",
+    "problem_rows",
+    "read_jsonl",
+    "render_rows",
+    "write_jsonl",
 ]

@@ -1,51 +1,35 @@
-"""Training batches as torch tensors: one example per row, or several packed into each row.
+"""Training batches as torch tensors: tokenized examples placed one per row, or packed several per row.
 
 Loss-mask convention (shared by every trainer): ``loss_mask[i, t]`` is True when the NEXT token
 ``input_ids[i, t + 1]`` is a target, so with ``logits`` of shape ``(n, seq_len, vocab)``::
 
     loss = cross_entropy(logits[:, :-1][mask[:, :-1]], input_ids[:, 1:][mask[:, :-1]])
 
-Targets are everything after the prompt: ``<think>``, the trace, ``</think>``, ``A:``, the answer
-and ``<eos>``. The prompt itself (``<bos>Q:...\\n``), padding and the boundary between two packed
-examples (predicting the next example's ``<bos>``) are never targets.
+Which tokens are targets is decided per example by :mod:`components.data.render` (assistant turns
+of chat rows, every token of text rows). The boundary between two packed examples (predicting the
+next example's first token), padding, and the last position of a row are never targets.
 
-Batches are deterministic by ``(seed, index)``: batch ``k`` draws its problems from a seed derived
-from both, so a resumed run continues at batch ``k`` with exactly the data it would have seen.
+Rows longer than ``seq_len`` are never cut silently: ``overlong="truncate"`` keeps their first
+``seq_len`` tokens, ``overlong="drop"`` leaves them out; both are counted in the batch
+(``n_truncated`` / ``n_dropped``) and warned about with the count and ``seq_len``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from itertools import islice
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from components.data.reasoning import (
-    BOS,
-    Problem,
-    ProblemConfig,
-    derive_seed,
-    format_training_text,
-    generate_problems,
-    iter_problems,
-)
+from components.data.reasoning import ProblemConfig
+from components.data.render import Example
 
-__all__ = ["BatchStream", "TrainBatch", "batch_stream", "encode_examples", "make_batch", "pack_examples"]
+if TYPE_CHECKING:
+    from components.data.tokenizer import TextTokenizer
 
-# Problems drawn (and tokenized together) at a time while filling packed rows.
-_PACK_CHUNK = 256
-
-
-class TokenizerLike(Protocol):
-    """What the batch builders need from a tokenizer (``CharTokenizer`` satisfies it)."""
-
-    pad_id: int
-    bos_id: int
-
-    def encode(self, text: str) -> list[int]: ...
+__all__ = ["TrainBatch", "assemble_batch", "make_batch"]
 
 
 @dataclass
@@ -53,13 +37,16 @@ class TrainBatch:
     """A batch of token rows.
 
     Attributes:
-        input_ids: ``LongTensor (n, seq_len)``; every example starts with ``<bos>``, rows are
-            right-padded with the pad id.
+        input_ids: ``LongTensor (n, seq_len)``; rows right-padded with the pad id.
         loss_mask: ``BoolTensor (n, seq_len)``; True where the next token is a target.
         segment_ids: ``LongTensor (n, seq_len)``; index of the example within its row (0 when not
             packed), -1 on padding; lets a model build per-example attention masks if it wants.
-        n_examples: number of examples in the batch.
-        n_truncated: how many examples were cut to fit ``seq_len``.
+        n_examples: examples placed in the batch.
+        n_truncated: examples longer than ``seq_len`` that were cut to it.
+        n_dropped: examples longer than ``seq_len`` that were left out (``overlong="drop"``).
+        n_skipped: packed batches only: examples of the step's window that did not fit in the rows.
+        source_examples: examples placed, per source name.
+        source_tokens: tokens placed, per source name.
     """
 
     input_ids: torch.Tensor
@@ -67,6 +54,10 @@ class TrainBatch:
     segment_ids: torch.Tensor
     n_examples: int
     n_truncated: int = 0
+    n_dropped: int = 0
+    n_skipped: int = 0
+    source_examples: dict[str, int] = field(default_factory=dict)
+    source_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def targets(self) -> torch.Tensor:
@@ -82,134 +73,115 @@ class TrainBatch:
             self.segment_ids.to(device),
             self.n_examples,
             self.n_truncated,
+            self.n_dropped,
+            self.n_skipped,
+            dict(self.source_examples),
+            dict(self.source_tokens),
         )
 
 
-def _encode_many(tokenizer: TokenizerLike, texts: Sequence[str]) -> list[list[int]]:
-    encode_batch = getattr(tokenizer, "encode_batch", None)
-    if encode_batch is not None:
-        return encode_batch(texts)
-    return [tokenizer.encode(t) for t in texts]
+def _first_fit(lengths: Sequence[int], batch_size: int, seq_len: int) -> tuple[list[list[int]], list[int]]:
+    """Pack examples (in order) into at most ``batch_size`` rows: each goes to the first row with room,
+    else opens a new row; returns the example indices per row and the indices that did not fit."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    skipped: list[int] = []
+    for k, n in enumerate(lengths):
+        for r in range(len(rows)):
+            if used[r] + n <= seq_len:
+                rows[r].append(k)
+                used[r] += n
+                break
+        else:
+            if len(rows) < batch_size:
+                rows.append([k])
+                used.append(n)
+            else:
+                skipped.append(k)
+    return rows, skipped
 
 
-def _tokenize(problems: Sequence[Problem], tokenizer: TokenizerLike) -> list[tuple[list[int], int]]:
-    """Per problem: token ids of the full training text and the length of its context
-    (``<bos>`` + prompt), i.e. the index of the first target token."""
-    full = _encode_many(tokenizer, [format_training_text(p) for p in problems])
-    ctx = _encode_many(tokenizer, [BOS + p.prompt for p in problems])
-    return [(ids, len(c)) for ids, c in zip(full, ctx, strict=True)]
+def assemble_batch(
+    examples: Sequence[Example],
+    batch_size: int,
+    seq_len: int,
+    pad_id: int,
+    pack: bool = False,
+    overlong: Literal["truncate", "drop"] = "truncate",
+) -> TrainBatch:
+    """Place ``examples`` into a ``(batch_size, seq_len)`` batch.
 
-
-def _place(
-    row_ids: list[int],
-    row_mask: list[bool],
-    row_seg: list[int],
-    start: int,
-    ids: list[int],
-    n_ctx: int,
-    seg: int,
-) -> None:
-    """Write one (already truncated) example at ``start`` and set its mask by the per-example rule."""
-    row_ids[start : start + len(ids)] = ids
-    row_seg[start : start + len(ids)] = [seg] * len(ids)
-    # Position t predicts t + 1: targets are example tokens n_ctx .. len-1, so t in [n_ctx-1, len-2].
-    for t in range(max(n_ctx - 1, 0), len(ids) - 1):
-        row_mask[start + t] = True
-
-
-def _to_batch(rows: list[list[tuple[list[int], int]]], seq_len: int, pad_id: int, n_truncated: int) -> TrainBatch:
-    ids_rows, mask_rows, seg_rows = [], [], []
-    for row in rows:
-        r_ids, r_mask, r_seg = [pad_id] * seq_len, [False] * seq_len, [-1] * seq_len
+    Without ``pack``, example ``k`` goes to row ``k`` (``examples`` holds ``batch_size`` of them; a
+    dropped one leaves its row as padding). With ``pack``, examples go first-fit into the rows in
+    order; those that fit nowhere are counted in ``n_skipped``.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if not pack and len(examples) != batch_size:
+        raise ValueError(f"one example per row: got {len(examples)} examples for batch_size={batch_size}")
+    n_truncated = n_dropped = 0
+    kept: list[Example | None] = []
+    for ex in examples:
+        if len(ex) > seq_len:
+            if overlong == "drop":
+                n_dropped += 1
+                kept.append(None)
+                continue
+            n_truncated += 1
+            ex = Example(ex.ids[:seq_len], ex.targets[:seq_len], ex.origin, ex.source)
+        kept.append(ex)
+    if pack:
+        present = [k for k, ex in enumerate(kept) if ex is not None]
+        packed, skipped = _first_fit([len(kept[k]) for k in present], batch_size, seq_len)  # type: ignore[arg-type]
+        layout = [[present[j] for j in row] for row in packed]
+        n_skipped = len(skipped)
+    else:
+        layout = [[k] if ex is not None else [] for k, ex in enumerate(kept)]
+        n_skipped = 0
+    ids = [[pad_id] * seq_len for _ in range(batch_size)]
+    mask = [[False] * seq_len for _ in range(batch_size)]
+    seg = [[-1] * seq_len for _ in range(batch_size)]
+    source_examples: dict[str, int] = {}
+    source_tokens: dict[str, int] = {}
+    for r, row in enumerate(layout):
         pos = 0
-        for seg, (ids, n_ctx) in enumerate(row):
-            _place(r_ids, r_mask, r_seg, pos, ids, n_ctx, seg)
-            pos += len(ids)
-        ids_rows.append(r_ids)
-        mask_rows.append(r_mask)
-        seg_rows.append(r_seg)
-    n_examples = sum(len(r) for r in rows)
+        for s, k in enumerate(row):
+            ex = kept[k]
+            assert ex is not None
+            n = len(ex)
+            ids[r][pos : pos + n] = ex.ids
+            seg[r][pos : pos + n] = [s] * n
+            # Position t predicts t + 1 of the same example; the example's last position predicts nothing.
+            mask[r][pos : pos + n - 1] = ex.targets[1:]
+            pos += n
+            source_examples[ex.source] = source_examples.get(ex.source, 0) + 1
+            source_tokens[ex.source] = source_tokens.get(ex.source, 0) + n
+    n_examples = sum(len(row) for row in layout)
+    for count, what in (
+        (n_truncated, "truncated to it (data.overlong=truncate)"),
+        (n_dropped, "left out (data.overlong=drop)"),
+    ):
+        if count:
+            warnings.warn(
+                f"{count} of {len(examples)} examples are longer than seq_len={seq_len} and were {what}",
+                stacklevel=3,
+            )
     return TrainBatch(
-        input_ids=torch.tensor(ids_rows, dtype=torch.long).reshape(len(rows), seq_len),
-        loss_mask=torch.tensor(mask_rows, dtype=torch.bool).reshape(len(rows), seq_len),
-        segment_ids=torch.tensor(seg_rows, dtype=torch.long).reshape(len(rows), seq_len),
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        segment_ids=torch.tensor(seg, dtype=torch.long),
         n_examples=n_examples,
         n_truncated=n_truncated,
+        n_dropped=n_dropped,
+        n_skipped=n_skipped,
+        source_examples=source_examples,
+        source_tokens=source_tokens,
     )
-
-
-def _warn_truncated(n_truncated: int, n: int, seq_len: int) -> None:
-    if n_truncated:
-        warnings.warn(
-            f"{n_truncated} of {n} examples are longer than seq_len={seq_len} and were truncated",
-            stacklevel=3,
-        )
-
-
-def encode_examples(problems: Sequence[Problem], tokenizer: TokenizerLike, seq_len: int) -> TrainBatch:
-    """One example per row: ``input_ids``/``loss_mask`` of shape ``(len(problems), seq_len)``.
-
-    Longer examples are truncated (counted in ``n_truncated`` and warned about).
-    """
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    rows, n_truncated = [], 0
-    for ids, n_ctx in _tokenize(problems, tokenizer):
-        if len(ids) > seq_len:
-            ids, n_truncated = ids[:seq_len], n_truncated + 1
-        rows.append([(ids, n_ctx)])
-    _warn_truncated(n_truncated, len(problems), seq_len)
-    return _to_batch(rows, seq_len, tokenizer.pad_id, n_truncated)
-
-
-class _Packer:
-    """Greedy in-order packing: an example that does not fit the current row starts the next row
-    (examples are never split across rows; an example longer than a row is truncated alone)."""
-
-    def __init__(self, seq_len: int) -> None:
-        self.seq_len = seq_len
-        self.rows: list[list[tuple[list[int], int]]] = []
-        self.current: list[tuple[list[int], int]] = []
-        self.used = 0
-        self.n_truncated = 0
-
-    def fits(self, n_tokens: int) -> bool:
-        """Whether an example of ``n_tokens`` goes into the current row (an empty row takes any)."""
-        return not self.current or self.used + n_tokens <= self.seq_len
-
-    def add(self, ids: list[int], n_ctx: int) -> None:
-        if len(ids) > self.seq_len:
-            ids, self.n_truncated = ids[: self.seq_len], self.n_truncated + 1
-        if not self.fits(len(ids)):
-            self.close()
-        self.current.append((ids, n_ctx))
-        self.used += len(ids)
-
-    def close(self) -> None:
-        if self.current:
-            self.rows.append(self.current)
-        self.current, self.used = [], 0
-
-
-def pack_examples(problems: Sequence[Problem], tokenizer: TokenizerLike, seq_len: int) -> TrainBatch:
-    """Several examples per row, in order, each starting with ``<bos>``; as many rows as needed.
-
-    There is no reset between packed examples in the tensors themselves: ``segment_ids`` tells
-    them apart. The loss mask follows the per-example rule (see module docstring).
-    """
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    packer = _Packer(seq_len)
-    for ids, n_ctx in _tokenize(problems, tokenizer):
-        packer.add(ids, n_ctx)
-    packer.close()
-    _warn_truncated(packer.n_truncated, len(problems), seq_len)
-    return _to_batch(packer.rows, seq_len, tokenizer.pad_id, packer.n_truncated)
 
 
 def make_batch(
     config: ProblemConfig,
-    tokenizer: TokenizerLike,
+    tokenizer: TextTokenizer,
     batch_size: int,
     seq_len: int,
     seed: int,
@@ -217,94 +189,20 @@ def make_batch(
     pack: bool = False,
     exclude: Iterable[str] | None = None,
 ) -> TrainBatch:
-    """Batch number ``index`` of the stream ``seed``: ``batch_size`` rows of fresh problems.
+    """Generator-only shortcut: batch ``index`` of the built-in task with knobs ``config``; the same as
+    :func:`~components.data.mixture.make_data_batch` with one generator source, phase ``"batch"`` and
+    ``step=index``."""
+    from components.data.mixture import make_data_batch
+    from components.data.sources import DataConfig, GeneratorSource
 
-    With ``pack`` the rows are filled with as many problems as fit; otherwise one problem per row.
-    ``exclude`` lists prompts never to train on (e.g. :func:`~components.data.reasoning.eval_prompts`).
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    problem_seed = derive_seed("batch", seed, index)
-    if not pack:
-        problems = generate_problems(batch_size, config, problem_seed, exclude=exclude)
-        return encode_examples(problems, tokenizer, seq_len)
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    packer = _Packer(seq_len)
-    stream = iter_problems(config, problem_seed, exclude=exclude)
-    n_seen = 0
-    while len(packer.rows) < batch_size:
-        chunk = list(islice(stream, _PACK_CHUNK))
-        for ids, n_ctx in _tokenize(chunk, tokenizer):
-            if len(packer.rows) == batch_size - 1 and not packer.fits(len(ids)):
-                # The last row is full; the example that overflows it is dropped (data are fresh anyway).
-                packer.close()
-                break
-            packer.add(ids, n_ctx)
-            n_seen += 1
-    _warn_truncated(packer.n_truncated, n_seen, seq_len)
-    return _to_batch(packer.rows, seq_len, tokenizer.pad_id, packer.n_truncated)
-
-
-class BatchStream(Iterator[TrainBatch]):
-    """Infinite deterministic stream of :func:`make_batch` batches; ``index`` is the next batch."""
-
-    def __init__(
-        self,
-        config: ProblemConfig,
-        tokenizer: TokenizerLike,
-        batch_size: int,
-        seq_len: int,
-        seed: int,
-        pack: bool = False,
-        start: int = 0,
-        exclude: Iterable[str] | None = None,
-    ) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.seed = seed
-        self.pack = pack
-        self.index = start
-        # Frozen once so every batch rejects against the same set.
-        self.exclude = frozenset(exclude) if exclude else None
-
-    def __iter__(self) -> BatchStream:
-        return self
-
-    def __next__(self) -> TrainBatch:
-        batch = make_batch(
-            self.config,
-            self.tokenizer,
-            self.batch_size,
-            self.seq_len,
-            self.seed,
-            self.index,
-            pack=self.pack,
-            exclude=self.exclude,
-        )
-        self.index += 1
-        return batch
-
-    def skip(self, n: int) -> BatchStream:
-        """Jump ``n`` batches ahead without building them (resume at batch ``index + n``)."""
-        if n < 0:
-            raise ValueError(f"cannot skip a negative number of batches ({n})")
-        self.index += n
-        return self
-
-
-def batch_stream(
-    config: ProblemConfig,
-    tokenizer: TokenizerLike,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    pack: bool = False,
-    start: int = 0,
-    exclude: Iterable[str] | None = None,
-) -> BatchStream:
-    """Infinite stream of fresh batches, deterministic by ``seed``; ``start`` (or ``.skip(k)``)
-    resumes at batch ``k`` exactly."""
-    return BatchStream(config, tokenizer, batch_size, seq_len, seed, pack=pack, start=start, exclude=exclude)
+    data = DataConfig(sources=[GeneratorSource.from_problems(config)], pack=pack)
+    return make_data_batch(
+        data,
+        tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        phase="batch",
+        step=index,
+        exclude=set(exclude) if exclude else None,
+    )

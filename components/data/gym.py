@@ -1,19 +1,28 @@
-"""Optional second source: the offline procedural generators of the ``reasoning_gym`` package.
+"""Optional source: the offline procedural generators of the ``reasoning_gym`` package.
 
 The package is not a dependency of the project; it is imported only when this source is used, and
-a clear error says how to get it. Its tasks carry no reasoning traces, so problems come with an
-empty ``reasoning`` (direct-answer examples, or prompts for evaluation / reinforcement learning).
-Caveats: the character tokenizer maps non-ASCII characters to ``<unk>``, and
-:func:`~components.data.answers.extract_answer` reads single-line answers only.
+a clear error says how to get it. Its tasks carry no reasoning traces, so rows are chat pairs user =
+question, assistant = answer (direct-answer examples; useful as prompts for evaluation too).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from components.data.reasoning import PROMPT_PREFIX, Problem
+from components.data.reasoning import PROMPT_PREFIX, Problem, derive_seed
+from components.data.render import Row
 
-__all__ = ["gym_available", "reasoning_gym_problems"]
+if TYPE_CHECKING:
+    from components.data.sources import ReasoningGymSource
+
+__all__ = ["GymReader", "gym_available", "reasoning_gym_problems", "require_gym"]
+
+_MISSING = (
+    "the reasoning_gym source needs the optional package 'reasoning-gym' (pip install reasoning-gym); "
+    "the files and generator sources need nothing extra"
+)
 
 
 def gym_available() -> bool:
@@ -25,34 +34,72 @@ def gym_available() -> bool:
     return True
 
 
-def reasoning_gym_problems(task_name: str, n: int, seed: int, **task_config: Any) -> list[Problem]:
-    """``n`` problems of the ``reasoning_gym`` task ``task_name`` (e.g. ``"leg_counting"``),
-    deterministic by ``seed``; ``task_config`` is passed to ``reasoning_gym.create_dataset``.
-
-    The prompt follows the built-in layout (``"Q:" + question + "\\n"``) so the same formatting,
-    batching and answer extraction apply.
+def require_gym() -> Any:
+    """The ``reasoning_gym`` module.
 
     Raises:
-        ImportError: if ``reasoning_gym`` is not installed.
+        ImportError: naming the package to install.
     """
     try:
         import reasoning_gym
     except ImportError as e:
-        raise ImportError(
-            "the reasoning_gym source needs the optional package 'reasoning-gym' "
-            "(pip install reasoning-gym); the built-in modular arithmetic task needs nothing extra"
-        ) from e
-    dataset = reasoning_gym.create_dataset(task_name, size=n, seed=seed, **task_config)
-    problems = []
-    for entry in dataset:
-        question = str(entry["question"]).strip()
-        problems.append(
-            Problem(
-                prompt=f"{PROMPT_PREFIX}{question}\n",
-                reasoning="",
-                answer=str(entry["answer"]).strip(),
-                steps=0,
-                source=f"reasoning_gym:{task_name}",
-            )
-        )
-    return problems
+        raise ImportError(_MISSING) from e
+    return reasoning_gym
+
+
+def _entries(task: str, size: int, seed: int, config: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(question, answer)`` pairs of ``size`` problems of ``task``, deterministic by ``seed``."""
+    dataset = require_gym().create_dataset(task, size=size, seed=seed, **config)
+    return [(str(e["question"]).strip(), str(e["answer"]).strip()) for e in dataset]
+
+
+def reasoning_gym_problems(task_name: str, n: int, seed: int, **task_config: Any) -> list[Problem]:
+    """``n`` problems of the task ``task_name`` in the built-in prompt layout (``"Q:" + question + "\\n"``),
+    deterministic by ``seed``; ``task_config`` goes to ``reasoning_gym.create_dataset``.
+
+    Raises:
+        ImportError: if ``reasoning_gym`` is not installed.
+    """
+    return [
+        Problem(prompt=f"{PROMPT_PREFIX}{q}\n", reasoning="", answer=a, steps=0, source=f"reasoning_gym:{task_name}")
+        for q, a in _entries(task_name, n, seed, task_config)
+    ]
+
+
+class GymReader:
+    """Rows of a :class:`~components.data.sources.ReasoningGymSource`: position ``p`` is entry
+    ``p % CHUNK`` of a dataset of ``CHUNK`` entries seeded by ``p // CHUNK``."""
+
+    CHUNK = 512
+
+    def __init__(self, source: ReasoningGymSource, name: str) -> None:
+        require_gym()
+        self.source, self.name = source, name
+        self._chunks: OrderedDict[tuple, list[tuple[str, str]]] = OrderedDict()
+
+    def _chunk(self, stream: int, rank: int, c: int) -> list[tuple[str, str]]:
+        key = (stream, rank, c)
+        if key not in self._chunks:
+            seed = derive_seed("gym", stream, rank, c) % (2**31)
+            self._chunks[key] = _entries(self.source.task, self.CHUNK, seed, dict(self.source.task_config))
+            if len(self._chunks) > 16:
+                self._chunks.popitem(last=False)
+        return self._chunks[key]
+
+    def rows(
+        self, positions: Sequence[int], stream: int, rank: int, world: int, exclude: frozenset[str] | None
+    ) -> list[Row]:
+        """Rows at ``positions``; an excluded question is replaced by the next entry of its chunk."""
+        out = []
+        for p in positions:
+            chunk = self._chunk(stream, rank, p // self.CHUNK)
+            k = p % self.CHUNK
+            for step in range(self.CHUNK):
+                question, answer = chunk[(k + step) % self.CHUNK]
+                if not exclude or question not in exclude:
+                    break
+            else:
+                raise ValueError(f"source {self.name!r}: exclude covers a whole chunk of {self.CHUNK} problems")
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            out.append(Row(f"{self.name}:{p}", messages=messages))
+        return out

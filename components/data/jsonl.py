@@ -1,10 +1,8 @@
-"""JSONL source of reasoning problems: one JSON object per line.
+"""Small JSONL helpers: records with line-numbered errors, and generated problems written as chat rows.
 
-Each object needs ``prompt`` and ``answer`` strings and may carry a ``reasoning`` string (the trace
-inside the think tags; empty or absent for direct answers). Optional ``steps`` (int) and ``source``
-(str) are kept when present; any other field is ignored, so richer datasets load as they are.
-Integer answers (``"answer": 42``) are accepted and stored as text. Texts are kept verbatim: the
-layout conventions of the built-in task (prompt and trace lines ending in ``"\\n"``) are not forced.
+Training files are read by :mod:`components.data.sources` through ``datasets``; these helpers are for
+writing data sets (e.g. the demo task as chat JSONL, the layout a team's own data takes) and for
+reading small files where a line number in the error matters more than speed.
 """
 
 from __future__ import annotations
@@ -12,73 +10,47 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from components.data.reasoning import Problem
+from components.data.sources import problem_messages
 
-__all__ = ["load_jsonl", "save_jsonl"]
-
-
-def _field(obj: dict, name: str, where: str, *, required: bool, default: str = "") -> str:
-    """String field ``name`` of ``obj``; ``where`` is ``"file:line"`` for the error message."""
-    if name not in obj:
-        if required:
-            raise ValueError(f"{where}: missing field {name!r}")
-        return default
-    value = obj[name]
-    if name == "answer" and isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-    return value
+__all__ = ["problem_rows", "read_jsonl", "write_jsonl"]
 
 
-def load_jsonl(path: str | Path) -> list[Problem]:
-    """Problems from a JSONL file; empty lines are skipped.
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one per non-empty line.
 
     Raises:
-        ValueError: for a line that is not a JSON object or lacks / mistypes a field; the message
-            names the file, the 1-based line number and the field.
+        ValueError: for a line that is not a JSON object, naming the file and the 1-based line.
     """
     path = Path(path)
-    problems: list[Problem] = []
+    records: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
             if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            steps = obj.get("steps", 0)
-            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-                raise ValueError(f"{where}: field 'steps' must be a non-negative integer, got {steps!r}")
-            problems.append(
-                Problem(
-                    prompt=_field(obj, "prompt", where, required=True),
-                    reasoning=_field(obj, "reasoning", where, required=False),
-                    answer=_field(obj, "answer", where, required=True),
-                    steps=steps,
-                    source=_field(obj, "source", where, required=False, default=f"jsonl:{path.name}"),
-                )
-            )
-    return problems
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            records.append(obj)
+    return records
 
 
-def save_jsonl(problems: Iterable[Problem], path: str | Path) -> Path:
-    """Write ``problems`` one JSON object per line (all five fields); parents are created."""
+def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> Path:
+    """Write ``records`` one JSON object per line (UTF-8, non-ASCII kept); parent folders are created."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
-        for p in problems:
-            record = {
-                "prompt": p.prompt,
-                "reasoning": p.reasoning,
-                "answer": p.answer,
-                "steps": p.steps,
-                "source": p.source,
-            }
+        for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return path
+
+
+def problem_rows(problems: Iterable[Problem]) -> list[dict[str, Any]]:
+    """Generated problems as chat rows (``messages`` plus the reference ``answer``): the same rows the
+    generator source trains on, in the layout a files source reads."""
+    return [{"messages": problem_messages(p), "answer": p.answer} for p in problems]

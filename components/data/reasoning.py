@@ -1,4 +1,4 @@
-"""Built-in verifiable reasoning task: chained modular arithmetic with ``<think>`` traces.
+"""Built-in verifiable reasoning task: chained modular arithmetic with reasoning traces.
 
 A problem starts from a value and applies a chain of ``op operand`` steps strictly LEFT TO RIGHT,
 reducing modulo ``modulus`` after every step (no operator precedence)::
@@ -8,9 +8,10 @@ reducing modulo ``modulus`` after every step (no operator precedence)::
            or:  7+5*3=6\\n6-2=4\\n            (a folded line: two or three steps, final result only)
     answer:     4
 
-The full training text is ``<bos>`` + prompt + ``<think>`` + reasoning + ``</think>`` + ``A:`` +
-answer + ``<eos>``. Every character is one token with the character tokenizer, and ``<think>`` /
-``</think>`` / ``<bos>`` / ``<eos>`` are single special tokens, so a 6-step example is ~60 tokens.
+As training data a problem is a chat row (:func:`components.data.sources.problem_messages`): the
+user turn is the prompt, the assistant turn carries the trace as ``reasoning_content`` and
+``"A:" + answer`` as content. The tokenizer's chat template lays it out; the demo template gives
+``<bos>`` + prompt + ``<think>`` + reasoning + ``</think>`` + ``A:`` + answer + ``<eos>``.
 
 Because the answer can be recomputed from the prompt, every trace line and every generated answer
 is checkable (:func:`evaluate_chain`, :func:`check_trace`).
@@ -33,6 +34,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Special tokens of the demo tokenizer (components.data.tokenizer.build_demo_tokenizer).
 BOS = "<bos>"
 EOS = "<eos>"
 PAD = "<pad>"
@@ -143,17 +145,6 @@ def evaluate_chain(expr: str, modulus: int = 10) -> int:
             raise ValueError(f"malformed chain {expr!r}")
         value = apply_op(value, op, int(operand), modulus)
     return value
-
-
-def format_prompt(problem: Problem) -> str:
-    """What a generator is primed with: ``<bos>`` + prompt + ``<think>``."""
-    return BOS + problem.prompt + THINK_OPEN
-
-
-def format_training_text(problem: Problem) -> str:
-    """Full training text: ``<bos>`` prompt ``<think>`` reasoning ``</think>A:`` answer ``<eos>``."""
-    p = problem
-    return f"{BOS}{p.prompt}{THINK_OPEN}{p.reasoning}{THINK_CLOSE}{ANSWER_PREFIX}{p.answer}{EOS}"
 
 
 def _trace(start: int, ops: list[tuple[str, int]], modulus: int, fold_prob: float, rng: random.Random) -> str:

@@ -1,16 +1,32 @@
-"""Character-level tokenizer built with Hugging Face ``tokenizers`` (nothing is downloaded).
+"""One tokenizer path for every stage: transformers' ``AutoTokenizer`` plus the ids the project needs.
 
-Layout of the vocabulary (fixed, so ids are the same on every build):
+A checkpoint folder carries its tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, a chat
+template inline or in ``chat_template.jinja``, optionally ``generation_config.json``); :meth:`TextTokenizer.load`
+reads them with ``AutoTokenizer.from_pretrained`` and nothing else. The demo's character tokenizer is
+such a folder too (:func:`build_demo_tokenizer` writes it), so no stage branches on "demo or not".
 
-* ids 0-5: special tokens ``<pad>`` ``<bos>`` ``<eos>`` ``<unk>`` ``<think>`` ``</think>``; they are
-  registered as added special tokens, so ``<think>`` appearing in text is ONE token;
-* ids 6-7: ``"\\t"`` and ``"\\n"``;
-* ids 8-102: printable ASCII ``" "`` .. ``"~"`` in code-point order;
+Reasoning markers (default ``<think>`` / ``</think>``) are configurable strings. Each is either a single
+token of the vocabulary (``think_open_id`` set) or a sequence of tokens (``think_open_ids`` holds the ids
+of the marker encoded on its own; in running text a BPE merge with the neighbouring characters can
+tokenize it differently, so callers matching marker sequences should also match on decoded text).
+
+The demo vocabulary (fixed, so ids are the same on every build):
+
+* ids 0-5: special tokens ``<pad>`` ``<bos>`` ``<eos>`` ``<unk>`` ``<think>`` ``</think>`` (added special
+  tokens: ``<think>`` in text is ONE token);
+* ids 6-7: ``"\\t"`` and ``"\\n"``; ids 8-102: printable ASCII ``" "`` .. ``"~"`` in code-point order
+  (id = 6 + index in ``"\\t\\n"`` + printable ASCII);
 * the rest: ``<unused_k>`` fillers up to a multiple of 16 (112) so embedding shapes are friendly.
 
-Every other character (non-ASCII, control characters) maps to ``<unk>``. The pre-tokenizer isolates
-every character and the ``Fuse`` decoder joins tokens without inserting spaces, so
-``decode(encode(text)) == text`` for any text made of vocabulary characters.
+Every other character maps to ``<unk>``; ``decode(encode(text)) == text`` for vocabulary characters.
+Its chat template is :data:`DEMO_CHAT_TEMPLATE`.
+
+Two fast paths serve the data pipeline, which renders and encodes every training row: batches are
+encoded by the Rust ``tokenizers`` object under ``hf`` directly (the transformers wrapper around it
+costs more than the encoding of short rows), and chat templates are rendered by the compiled
+template directly (``apply_chat_template`` re-validates its inputs on every call). The references are
+``hf.encode`` and ``hf.apply_chat_template``; each fast path is checked against its reference on a
+probe when the tokenizer is built and is switched off if they differ (tests compare them too).
 """
 
 from __future__ import annotations
@@ -18,182 +34,379 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+try:  # the compiled-template cache behind apply_chat_template (used by the rendering fast path)
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+except ImportError:  # another transformers layout: the reference path alone is used
+    _compile_jinja_template = None
 
 from components.data.reasoning import BOS, EOS, PAD, THINK_CLOSE, THINK_OPEN, UNK
 
-SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK, THINK_OPEN, THINK_CLOSE)
-#: Characters with their own id: tab, newline, then printable ASCII in code-point order.
-CHARACTERS: tuple[str, ...] = ("\t", "\n", *(chr(c) for c in range(32, 127)))
-VOCAB_MULTIPLE = 16
+__all__ = [
+    "CONFIG_FILE",
+    "DEMO_CHAT_TEMPLATE",
+    "GENERATION_CONFIG_FILE",
+    "TOKENIZER_FILE",
+    "TOKENIZER_FILES",
+    "ReasoningMarkers",
+    "TextTokenizer",
+    "build_demo_tokenizer",
+    "tokenizer_files",
+]
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+#: Files that make up a tokenizer in a checkpoint folder; every stage carries the present ones forward.
+TOKENIZER_FILES: tuple[str, ...] = (
+    TOKENIZER_FILE,
+    CONFIG_FILE,
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    GENERATION_CONFIG_FILE,
+)
 
-# The serialized form of the one-character pre-tokenizer (see build_tokenizer).
-_CHAR_SPLIT = {"type": "Split", "pattern": {"Regex": r"[\s\S]"}, "behavior": "Isolated", "invert": False}
+_READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[\s*['\"]thinking['\"]\s*\]")
+
+DEMO_SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK, THINK_OPEN, THINK_CLOSE)
+#: Characters with their own id in the demo vocabulary: tab, newline, then printable ASCII.
+DEMO_CHARACTERS: tuple[str, ...] = ("\t", "\n", *(chr(c) for c in range(32, 127)))
+DEMO_VOCAB_MULTIPLE = 16
+
+#: The demo chat template: ``bos_token``, then per message: system and user -> content; assistant ->
+#: ``<think>`` + reasoning_content + ``</think>`` + content + ``eos_token``; the generation prompt is
+#: ``<think>``. So user ``"Q:7+5*3-2\\n"`` with assistant reasoning ``"7+5=2\\n..."`` and content ``"A:4"``
+#: renders to ``"<bos>Q:7+5*3-2\\n<think>7+5=2\\n...</think>A:4<eos>"`` (the demo training text).
+DEMO_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- set reasoning = message['reasoning_content'] if message['reasoning_content'] is defined "
+    "and message['reasoning_content'] is not none else '' -%}"
+    "{{- '<think>' + reasoning + '</think>' + message['content'] + eos_token -}}"
+    "{%- else -%}"
+    "{{- message['content'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<think>' -}}{%- endif -%}"
+)
 
 
-def _vocab() -> dict[str, int]:
-    """Token -> id, deterministic; padded with unused fillers to a multiple of ``VOCAB_MULTIPLE``."""
-    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
-    n_unused = -len(tokens) % VOCAB_MULTIPLE
-    tokens += [f"<unused_{k}>" for k in range(n_unused)]
+class ReasoningMarkers(BaseModel):
+    """The strings that open and close the reasoning part of an assistant turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    think_open: str = Field("<think>", min_length=1, description="Opens the reasoning (a token or a string).")
+    think_close: str = Field("</think>", min_length=1, description="Closes the reasoning (a token or a string).")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ReasoningMarkers:
+        if self.think_open == self.think_close:
+            raise ValueError(f"think_open and think_close must differ, both are {self.think_open!r}")
+        return self
+
+
+def _demo_vocab() -> dict[str, int]:
+    tokens = list(DEMO_SPECIAL_TOKENS) + list(DEMO_CHARACTERS)
+    tokens += [f"<unused_{k}>" for k in range(-len(tokens) % DEMO_VOCAB_MULTIPLE)]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
-def build_tokenizer() -> Tokenizer:
-    """The character tokenizer; the same ids on every call."""
-    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=UNK))
+def build_demo_tokenizer() -> PreTrainedTokenizerFast:
+    """The demo character tokenizer with :data:`DEMO_CHAT_TEMPLATE`; the same ids on every call."""
+    tok = Tokenizer(models.WordLevel(vocab=_demo_vocab(), unk_token=UNK))
     # One pre-token per character (whitespace and newline included) so WordLevel sees single chars.
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     # Added tokens are matched in the raw text before pre-tokenization: "<think>" -> one id.
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    return tok
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in DEMO_SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[THINK_OPEN, THINK_CLOSE],
+        chat_template=DEMO_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
 
 
-def _char_level_tables(tok: Tokenizer) -> tuple[dict[str, int], re.Pattern[str]] | None:
-    """Lookup tables equivalent to ``tok.encode`` when ``tok`` is a plain character tokenizer
-    (no normalizer, the one-character split, WordLevel, non-stripping added tokens); else None."""
-    spec = json.loads(tok.to_str())
-    added = spec.get("added_tokens") or []
-    if (
-        spec.get("normalizer") is not None
-        or spec.get("pre_tokenizer") != _CHAR_SPLIT
-        or spec["model"].get("type") != "WordLevel"
-        or not added
-        or any(a["lstrip"] or a["rstrip"] or a["single_word"] or a["normalized"] for a in added)
-    ):
-        return None
-    char_ids = {t: i for t, i in spec["model"]["vocab"].items() if len(t) == 1}
-    # Added tokens are matched leftmost, longest first, as the Rust matcher does.
-    names = sorted((a["content"] for a in added), key=len, reverse=True)
-    return char_ids, re.compile("(" + "|".join(re.escape(n) for n in names) + ")")
+def tokenizer_files(directory: str | Path) -> list[Path]:
+    """The :data:`TOKENIZER_FILES` present in ``directory`` (what a stage copies next to its weights)."""
+    folder = Path(directory)
+    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
-def _special_ids(tok: Tokenizer) -> dict[str, int]:
-    ids = {}
-    for t in SPECIAL_TOKENS:
-        i = tok.token_to_id(t)
-        if i is None:
-            raise ValueError(f"tokenizer has no special token {t!r}")
-        ids[t] = i
-    return ids
+def _generation_eos_ids(directory: Path) -> list[int]:
+    """``eos_token_id`` of ``generation_config.json`` (an int or a list), [] when absent."""
+    path = directory / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return []
+    value = json.loads(path.read_text()).get("eos_token_id")
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return values
 
 
-def save_tokenizer(tok: Tokenizer, directory: str | Path) -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created if needed).
+class TextTokenizer:
+    """A transformers tokenizer with the ids every stage needs.
 
-    The config names the special tokens and their ids; its keys also follow the Hugging Face
-    ``tokenizer_config.json`` convention so ``PreTrainedTokenizerFast`` can load the directory.
-    """
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / TOKENIZER_FILE))
-    ids = _special_ids(tok)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "pad_token": PAD,
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "unk_token": UNK,
-        "additional_special_tokens": [THINK_OPEN, THINK_CLOSE],
-        "clean_up_tokenization_spaces": False,
-        "special_token_ids": ids,
-        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-        "kind": "char",
-    }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """Load ``tokenizer.json`` from ``directory``; checks the special ids against the config if present."""
-    path = Path(directory)
-    tok = Tokenizer.from_file(str(path / TOKENIZER_FILE))
-    config_path = path / CONFIG_FILE
-    if config_path.exists():
-        expected = json.loads(config_path.read_text()).get("special_token_ids", {})
-        actual = _special_ids(tok)
-        for name, i in expected.items():
-            if actual.get(name) != i:
-                raise ValueError(
-                    f"{config_path}: special token {name!r} has id {actual.get(name)} in {TOKENIZER_FILE}, "
-                    f"config says {i}"
-                )
-    return tok
-
-
-class CharTokenizer:
-    """Thin wrapper around the ``tokenizers`` object with the ids the rest of the project needs.
-
-    ``encode`` adds nothing (no automatic ``<bos>``): the formatting functions in
-    :mod:`components.data.reasoning` put the special tokens into the text explicitly.
-
-    For a plain character tokenizer, encoding uses lookup tables taken from the ``tokenizers``
-    object (about 10x faster than its per-character regex split on short texts, which matters
-    when packing thousands of examples per batch); the ids are identical (tested).
+    ``encode`` adds no special tokens: chat rendering (:meth:`render_chat`) and the data renderers put
+    them in explicitly, so the same text always gives the same ids.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
-        self.tokenizer = tokenizer if tokenizer is not None else build_tokenizer()
-        ids = _special_ids(self.tokenizer)
-        self.pad_id = ids[PAD]
-        self.bos_id = ids[BOS]
-        self.eos_id = ids[EOS]
-        self.unk_id = ids[UNK]
-        self.think_open_id = ids[THINK_OPEN]
-        self.think_close_id = ids[THINK_CLOSE]
-        self.special_ids = frozenset(ids.values())
-        self._fast = _char_level_tables(self.tokenizer)
+    def __init__(
+        self,
+        hf: PreTrainedTokenizerBase,
+        markers: ReasoningMarkers | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        source: str = "<memory>",
+    ) -> None:
+        self.hf = hf
+        self.markers = markers or ReasoningMarkers()
+        self.source = source
+        if not hf.is_fast:
+            raise ValueError(
+                f"{source}: transformers loaded a slow (Python) tokenizer; ship a {TOKENIZER_FILE} "
+                "(tokenizer.save_pretrained writes one) so offsets and batch encoding are available"
+            )
+        # generation_config.json of the folder this was loaded from: saved alongside (it names stop ids).
+        self._generation_config: str | None = None
+        if hf.eos_token_id is None:
+            raise ValueError(
+                f"{source}: the tokenizer has no eos token; set 'eos_token' in {CONFIG_FILE} "
+                "(the token that ends an assistant turn)"
+            )
+        self.eos_id: int = hf.eos_token_id
+        self.bos_id: int | None = hf.bos_token_id
+        self.pad_id: int = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys([self.eos_id, *extra_stop_ids]))
+        self.vocab_size: int = len(hf)
+        self._vocab: dict[str, int] = hf.get_vocab()
+        special = set(hf.all_special_ids)
+        special |= {i for i, t in hf.added_tokens_decoder.items() if getattr(t, "special", False)}
+        self.special_ids: frozenset[int] = frozenset(special)
+        self.special_tokens: tuple[str, ...] = tuple(hf.convert_ids_to_tokens(i) for i in sorted(special))
+        names = sorted((t for t in self.special_tokens if t), key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(t) for t in names)) if names else None
+        self.think_open_ids: tuple[int, ...] = self._marker_ids(self.markers.think_open)
+        self.think_close_ids: tuple[int, ...] = self._marker_ids(self.markers.think_close)
+        self.think_open_id: int | None = self.think_open_ids[0] if len(self.think_open_ids) == 1 else None
+        self.think_close_id: int | None = self.think_close_ids[0] if len(self.think_close_ids) == 1 else None
+        template = hf.chat_template
+        if isinstance(template, dict):  # named templates: the default one is what apply_chat_template uses
+            template = template.get("default")
+        self.has_chat_template: bool = bool(template)
+        # Whether the template places the reasoning itself (else it is folded into content); transformers
+        # passes reasoning_content to templates also as `thinking` (the gpt-oss name).
+        self.template_reads_reasoning: bool = bool(template) and bool(_READS_REASONING.search(template))
+        self._template = template if isinstance(template, str) else None
+        self._fast_encode = self._check_fast_encode()
+        self._compiled = self._check_fast_render()
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of ids (embedding rows), a multiple of 16 for the built-in vocabulary."""
-        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+    def _check_fast_encode(self) -> bool:
+        """Whether the Rust tokenizer alone encodes like ``hf.encode`` (checked on a probe text)."""
+        probe = f" A b\n\t{self.markers.think_open}x{self.markers.think_close} é 12{''.join(self.special_tokens)}"
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend is not None and backend.encode(probe, add_special_tokens=False).ids == self.hf.encode(
+            probe, add_special_tokens=False
+        )
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (one per character; special-token strings become one id)."""
-        if self._fast is None:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-        char_ids, special_re = self._fast
-        ids: list[int] = []
-        unk = self.unk_id
-        # re.split with a capturing group alternates plain text (even) and special tokens (odd).
-        for k, piece in enumerate(special_re.split(text)):
-            if k % 2:
-                ids.append(self.tokenizer.token_to_id(piece))
-            else:
-                ids.extend([char_ids.get(c, unk) for c in piece])
+    def _check_fast_render(self) -> Any:
+        """The compiled chat template when rendering with it matches ``apply_chat_template`` on a probe."""
+        if self._template is None or _compile_jinja_template is None:
+            return None
+        try:
+            compiled = _compile_jinja_template(self._template)
+            probe = [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "reasoning_content": "r", "content": "a"},
+                {"role": "user", "content": "v"},
+            ]
+            for n, gen in ((4, True), (3, False)):
+                fast = self._render_compiled(compiled, probe[:n], gen)
+                if fast != self._render_reference(probe[:n], gen):
+                    return None
+        except Exception:  # a template that rejects the probe: keep the reference path, it reports its errors
+            return None
+        return compiled
+
+    def _marker_ids(self, marker: str) -> tuple[int, ...]:
+        single = self._vocab.get(marker)
+        if single is not None:
+            return (single,)
+        ids = tuple(self.encode(marker))
+        if not ids:
+            raise ValueError(f"{self.source}: reasoning marker {marker!r} encodes to no tokens")
         return ids
 
+    @classmethod
+    def load(cls, directory: str | Path, markers: ReasoningMarkers | None = None) -> TextTokenizer:
+        """Load the tokenizer files of ``directory`` (a local folder or ``s3://`` prefix) with ``AutoTokenizer``.
+
+        ``generation_config.json`` (when present) adds its ``eos_token_id`` values to :attr:`stop_ids`.
+        """
+        from components.storage import materialize
+
+        folder = materialize(directory)
+        if not (folder / TOKENIZER_FILE).is_file() and not (folder / CONFIG_FILE).is_file():
+            raise FileNotFoundError(
+                f"{directory}: no {TOKENIZER_FILE} or {CONFIG_FILE}; a checkpoint folder must carry its tokenizer files"
+            )
+        hf = AutoTokenizer.from_pretrained(str(folder))
+        tok = cls(hf, markers, extra_stop_ids=_generation_eos_ids(folder), source=str(directory))
+        if (folder / GENERATION_CONFIG_FILE).is_file():
+            tok._generation_config = (folder / GENERATION_CONFIG_FILE).read_text()
+        return tok
+
+    # -- encoding ------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special-token strings in it become their ids, nothing is added."""
+        return self.hf.encode(text, add_special_tokens=False)
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``encode`` over many texts."""
-        if self._fast is None:
-            return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-        return [self.encode(t) for t in texts]
+        """:meth:`encode` over many texts (one batched call into the Rust tokenizer)."""
+        return [ids for ids, _ in self.encode_with_offsets(texts)]
+
+    def encode_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Per text: ids (as :meth:`encode`) and each token's ``(start, end)`` character span in the text."""
+        if not texts:
+            return []
+        if self._fast_encode:
+            return [
+                (e.ids, e.offsets)
+                for e in self.hf.backend_tokenizer.encode_batch(list(texts), add_special_tokens=False)
+            ]
+        enc = self.hf(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+        return [
+            (ids, [tuple(o) for o in offs]) for ids, offs in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        ]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of ``ids``; with ``skip_special`` the special tokens are dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
-
-    def id_to_token(self, i: int) -> str | None:
-        return self.tokenizer.id_to_token(i)
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_to_id(self, token: str) -> int | None:
-        return self.tokenizer.token_to_id(token)
+        """Id of the vocabulary entry ``token`` (not an encoding of a text), None when absent."""
+        return self._vocab.get(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        """Vocabulary entry of id ``i``, None when out of range."""
+        if not 0 <= i < self.vocab_size:
+            return None
+        return self.hf.convert_ids_to_tokens(i)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.hf.bos_token
+
+    @property
+    def eos_token(self) -> str:
+        return self.hf.eos_token
+
+    # -- chat ----------------------------------------------------------------------------------------
+
+    def _fold(self, message: dict[str, Any]) -> dict[str, Any]:
+        """``reasoning_content`` folded into ``content`` as open + reasoning + close + content."""
+        reasoning = message.get("reasoning_content")
+        out = {k: v for k, v in message.items() if k != "reasoning_content"}
+        if reasoning is not None:
+            m = self.markers
+            out["content"] = f"{m.think_open}{reasoning}{m.think_close}{message.get('content') or ''}"
+        return out
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The text of ``messages`` through the chat template (``apply_chat_template(tokenize=False)``).
+
+        A message may carry ``reasoning_content``: it is passed to the template when the template reads
+        that field (its text mentions ``reasoning_content`` or a message's ``thinking``), else folded into
+        ``content`` as ``think_open + reasoning + think_close + content``.
+
+        Without a chat template the rendering is a plain fallback: ``bos`` (when the tokenizer has one),
+        then one line ``"{role}: {content}"`` per message, an assistant line ending with ``eos`` before
+        its newline; the generation prompt is ``"assistant: "``.
+        """
+        if not messages:
+            raise ValueError("no messages to render: a conversation needs at least one turn")
+        msgs = list(messages) if self.template_reads_reasoning else [self._fold(m) for m in messages]
+        if not self.has_chat_template:
+            parts = [self.bos_token or ""]
+            for m in msgs:
+                end = self.eos_token if m["role"] == "assistant" else ""
+                parts.append(f"{m['role']}: {m.get('content') or ''}{end}\n")
+            if add_generation_prompt:
+                parts.append("assistant: ")
+            return "".join(parts)
+        if self._compiled is not None:
+            return self._render_compiled(self._compiled, msgs, add_generation_prompt)
+        return self._render_reference(msgs, add_generation_prompt)
+
+    def _render_reference(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _render_compiled(self, compiled: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """What ``apply_chat_template`` does for plain-string messages: None fields dropped, the
+        reasoning also passed as ``thinking``, the special tokens as template variables."""
+        chat = []
+        for m in messages:
+            m = {k: v for k, v in m.items() if v is not None}
+            reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+            if reasoning is not None:
+                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+            chat.append(m)
+        return compiled.render(
+            messages=chat,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.hf.special_tokens_map,
+        )
+
+    @cached_property
+    def generation_opens_thinking(self) -> bool:
+        """Whether the generation prompt ends with ``think_open`` (generation starts inside the reasoning)."""
+        rendered = self.render_chat([{"role": "user", "content": "x"}], add_generation_prompt=True)
+        return rendered.rstrip().endswith(self.markers.think_open)
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Ids of ``messages`` rendered with the generation prompt: what generation starts from."""
+        return self.encode(self.render_chat(messages, add_generation_prompt=True))
+
+    def contains_special(self, text: str) -> list[str]:
+        """Special-token strings found in ``text`` (user input must not smuggle control tokens), in order
+        of first appearance, each once."""
+        if self._special_re is None:
+            return []
+        return list(dict.fromkeys(self._special_re.findall(text)))
 
     def save(self, directory: str | Path) -> Path:
-        """Write the tokenizer files into ``directory``."""
-        return save_tokenizer(self.tokenizer, directory)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> CharTokenizer:
-        """Load a directory written by :meth:`save`."""
-        return cls(load_tokenizer(directory))
+        """Write the tokenizer files into ``directory`` (``hf.save_pretrained``, plus the
+        ``generation_config.json`` it was loaded with, if any); returns the folder."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.hf.save_pretrained(str(out))
+        if self._generation_config is not None and not (out / GENERATION_CONFIG_FILE).exists():
+            (out / GENERATION_CONFIG_FILE).write_text(self._generation_config)
+        return out
 
     def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
+        return f"TextTokenizer({self.source!r}, vocab_size={self.vocab_size}, chat_template={self.has_chat_template})"

@@ -1,41 +1,38 @@
-"""Unit tests of the built-in demo data: generator, tokenizer, JSONL, answers, batches."""
+"""Unit tests of the built-in generator, chat rendering of generated problems, batch assembly and the
+deterministic stream of make_data_batch (generator sources; files sources: test_data_sources.py)."""
 
 from __future__ import annotations
 
-import json
 import re
-import string
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from components.data import (
-    BOS,
-    EOS,
-    THINK_CLOSE,
-    THINK_OPEN,
-    CharTokenizer,
+    DataConfig,
+    Example,
+    GeneratorSource,
     Problem,
     ProblemConfig,
-    batch_stream,
-    build_tokenizer,
+    Row,
+    TextTokenizer,
+    assemble_batch,
+    build_demo_tokenizer,
     check_trace,
-    encode_examples,
+    derive_seed,
     eval_prompts,
-    extract_answer,
-    format_prompt,
-    format_training_text,
     generate_eval_sets,
     generate_problems,
-    is_correct,
-    load_jsonl,
-    load_tokenizer,
     make_batch,
-    pack_examples,
-    save_jsonl,
+    make_data_batch,
+    mixture,
+    problem_messages,
+    problem_rows,
+    read_jsonl,
+    render_rows,
+    write_jsonl,
 )
 from components.data.gym import gym_available, reasoning_gym_problems
 
@@ -142,15 +139,44 @@ def test_direct_knob() -> None:
     some = generate_problems(3000, ProblemConfig(direct_prob=0.1), seed=4)
     frac = sum(p.reasoning == "" for p in some) / len(some)
     assert 0.07 < frac < 0.13
-    text = format_training_text(direct[0])
-    assert THINK_OPEN + THINK_CLOSE + "A:" in text
+    tok = TextTokenizer(build_demo_tokenizer())
+    assert "<think></think>A:" in tok.render_chat(problem_messages(direct[0]), add_generation_prompt=False)
 
 
 def test_text_layout() -> None:
+    """A generated problem through the demo chat template is exactly the historical training text
+    ``<bos>`` prompt ``<think>`` trace ``</think>A:`` answer ``<eos>``, with the same ids."""
+    tok = TextTokenizer(build_demo_tokenizer())
     p = Problem("Q:7+5*3-2\n", "7+5*3=6\n6-2=4\n", "4", 3)
-    assert format_prompt(p) == "<bos>Q:7+5*3-2\n<think>"
-    assert format_training_text(p) == "<bos>Q:7+5*3-2\n<think>7+5*3=6\n6-2=4\n</think>A:4<eos>"
-    assert format_training_text(p).startswith(format_prompt(p))
+    assert tok.render_chat(problem_messages(p), add_generation_prompt=False) == (
+        "<bos>Q:7+5*3-2\n<think>7+5*3=6\n6-2=4\n</think>A:4<eos>"
+    )
+    assert tok.render_chat(problem_messages(p)[:1], add_generation_prompt=True) == "<bos>Q:7+5*3-2\n<think>"
+    (ex,) = render_rows(tok, [Row("p", messages=problem_messages(p))])
+    # <bos> Q : 7 + 5 * 3 - 2 \n <think> 7 + 5 * 3 = 6 \n 6 - 2 = 4 \n </think> A : 4 <eos>
+    assert ex.ids == [1, 57, 34, 31, 19, 29, 18, 27, 21, 26, 7, 4] + [
+        31,
+        19,
+        29,
+        18,
+        27,
+        37,
+        30,
+        7,
+        30,
+        21,
+        26,
+        37,
+        28,
+        7,
+        5,
+        41,
+        34,
+        28,
+        2,
+    ]
+    # Targets: everything after the generation prompt "<bos>Q:7+5*3-2\n<think>" (12 tokens).
+    assert ex.targets == [False] * 12 + [True] * 19
 
 
 def test_config_validation_names_fields() -> None:
@@ -205,289 +231,228 @@ def test_exclude_that_covers_everything_raises() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer
+# Batch assembly (demo tokenizer ids: printable c -> ord(c) - 24, "\n" 7, <bos> 1, <eos> 2, <think> 4, </think> 5)
 
 
 @pytest.fixture(scope="module")
-def tok() -> CharTokenizer:
-    return CharTokenizer()
+def tok() -> TextTokenizer:
+    return TextTokenizer(build_demo_tokenizer())
 
 
-def test_tokenizer_ids_are_pinned(tok: CharTokenizer) -> None:
-    assert (tok.pad_id, tok.bos_id, tok.eos_id, tok.unk_id) == (0, 1, 2, 3)
-    assert (tok.think_open_id, tok.think_close_id) == (4, 5)
-    assert tok.encode("\t\n 0A:Q~") == [6, 7, 8, 24, 41, 34, 57, 102]
-    assert tok.vocab_size == 112 and tok.vocab_size % 16 == 0
-    assert build_tokenizer().to_str() == build_tokenizer().to_str()
+# "<bos>Q:1+2\n<think>1+2=3\n</think>A:3<eos>": 19 tokens, the generation prompt is the first 8.
+_P1 = Problem("Q:1+2\n", "1+2=3\n", "3", 1)
+_P1_IDS = [1, 57, 34, 25, 19, 26, 7, 4, 25, 19, 26, 37, 27, 7, 5, 41, 34, 27, 2]
+# "<bos>Q:3\n<think></think>A:3<eos>": 11 tokens, the generation prompt is the first 6.
+_P2 = Problem("Q:3\n", "", "3", 0)
+_P2_IDS = [1, 57, 34, 27, 7, 4, 5, 41, 34, 27, 2]
 
 
-def test_special_tokens_are_single_tokens(tok: CharTokenizer) -> None:
-    for text, i in [(THINK_OPEN, 4), (THINK_CLOSE, 5), (BOS, 1), (EOS, 2)]:
-        assert tok.encode(text) == [i]
-    ids = tok.encode("a<think>b</think>c")
-    assert ids == [tok.encode("a")[0], 4, tok.encode("b")[0], 5, tok.encode("c")[0]]
-    assert tok.decode(ids, skip_special=True) == "abc"
-    assert tok.encode("<think") == tok.encode("<") + tok.encode("think")
-
-
-def test_unknown_characters_map_to_unk(tok: CharTokenizer) -> None:
-    assert tok.encode("é€\r") == [tok.unk_id] * 3
-    assert tok.decode(tok.encode("aéb")) == "a<unk>b"
-
-
-def test_round_trip_generated_texts(tok: CharTokenizer) -> None:
-    problems = generate_problems(300, ProblemConfig(), seed=5)
-    texts = [format_training_text(p) for p in problems]
-    for text, ids in zip(texts, tok.encode_batch(texts), strict=True):
-        assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
-        assert tok.decode(ids) == text
-        assert tok.encode(tok.decode(ids)) == ids
-        assert ids == tok.tokenizer.encode(text, add_special_tokens=False).ids  # fast path == HF
-
-
-_ALPHABET = string.printable.replace("\r", "").replace("\x0b", "").replace("\x0c", "")
-_TEXT = st.lists(
-    st.one_of(st.text(alphabet=_ALPHABET, max_size=20), st.sampled_from([THINK_OPEN, THINK_CLOSE, BOS, EOS])),
-    max_size=8,
-).map("".join)
-
-
-@settings(max_examples=300, deadline=None)
-@given(text=_TEXT)
-def test_round_trip_arbitrary_printable(tok: CharTokenizer, text: str) -> None:
-    ids = tok.encode(text)
-    assert ids == tok.tokenizer.encode(text, add_special_tokens=False).ids
-    assert tok.unk_id not in ids
-    assert tok.decode(ids) == text
-    assert tok.encode(tok.decode(ids)) == ids
-
-
-@settings(max_examples=100, deadline=None)
-@given(text=st.text(max_size=40))
-def test_fast_path_matches_tokenizers_on_any_text(tok: CharTokenizer, text: str) -> None:
-    assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def test_tokenizer_save_load(tok: CharTokenizer, tmp_path) -> None:
-    tok.save(tmp_path)
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert config["special_token_ids"] == {
-        "<pad>": 0,
-        "<bos>": 1,
-        "<eos>": 2,
-        "<unk>": 3,
-        "<think>": 4,
-        "</think>": 5,
-    }
-    assert config["vocab_size"] == 112
-    loaded = CharTokenizer.load(tmp_path)
-    assert loaded.tokenizer.get_vocab() == tok.tokenizer.get_vocab()
-    text = format_training_text(generate_problems(1, ProblemConfig(), seed=0)[0])
-    assert loaded.encode(text) == tok.encode(text)
-    assert load_tokenizer(tmp_path).to_str() == tok.tokenizer.to_str()
-    config["special_token_ids"]["<bos>"] = 9
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="<bos>"):
-        load_tokenizer(tmp_path)
-
-
-def test_saved_tokenizer_loads_in_transformers(tok: CharTokenizer, tmp_path) -> None:
-    transformers = pytest.importorskip("transformers")
-    tok.save(tmp_path)
-    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    text = format_training_text(generate_problems(1, ProblemConfig(), seed=2)[0])
-    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
-    assert hf.decode(tok.encode(text)) == text
-
-
-# ---------------------------------------------------------------------------------------------
-# JSONL
-
-
-def test_jsonl_round_trip(tmp_path) -> None:
-    problems = generate_problems(50, ProblemConfig(), seed=9)
-    path = save_jsonl(problems, tmp_path / "sub" / "data.jsonl")
-    assert load_jsonl(path) == problems
-
-
-def test_jsonl_lenient_parts(tmp_path) -> None:
-    path = tmp_path / "x.jsonl"
-    lines = [
-        json.dumps({"prompt": "Q:1+1\n", "reasoning": "", "answer": "2", "extra": [1, 2]}),
-        "",
-        "   ",
-        json.dumps({"prompt": "What is 6*7?", "answer": 42}),
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    a, b = load_jsonl(path)
-    assert a == Problem("Q:1+1\n", "", "2", 0, "jsonl:x.jsonl")
-    assert b.reasoning == "" and b.answer == "42"
-
-
-@pytest.mark.parametrize(
-    ("bad", "pattern"),
-    [
-        ({"prompt": "Q", "reasoning": ""}, r"x\.jsonl:3: missing field 'answer'"),
-        ({"prompt": 5, "answer": "1"}, r"x\.jsonl:3: field 'prompt' must be a string"),
-        ({"prompt": "Q", "reasoning": ["a"], "answer": "1"}, r"x\.jsonl:3: field 'reasoning'"),
-        ({"prompt": "Q", "answer": "1", "steps": "two"}, r"x\.jsonl:3: field 'steps'"),
-        ([1, 2], r"x\.jsonl:3: expected a JSON object"),
-        ("{not json", r"x\.jsonl:3: invalid JSON"),
-    ],
-)
-def test_jsonl_bad_line_names_file_line_and_field(tmp_path, bad, pattern: str) -> None:
-    good = json.dumps({"prompt": "Q:1\n", "reasoning": "", "answer": "1"})
-    bad_line = bad if isinstance(bad, str) else json.dumps(bad)
-    path = tmp_path / "x.jsonl"
-    path.write_text(f"{good}\n\n{bad_line}\n")
-    with pytest.raises(ValueError, match=pattern):
-        load_jsonl(path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Answers
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("<bos>Q:7+5\n<think>7+5=2\n</think>A:2<eos>", "2"),
-        ("7+5=2\n</think>A:2<eos><pad><pad>", "2"),
-        ("</think>A : 4", "4"),
-        ("</think>A:  4  <eos>", "4"),
-        ("</think>A:4", "4"),  # no <eos>
-        ("</think>A:4<eos>A:9 junk", "4"),
-        ("</think>A:4\nQ:1+1\n", "4"),
-        ("</think>A:-3<eos>", "-3"),
-        ("</think>A:12<think>", "12"),
-        ("A:7", "7"),  # no think tags at all
-        ("<think>1+1=2\nA:3 is wrong\n</think>A:5<eos>", "5"),  # A: inside the trace is ignored
-        ("</think>the result is 6-2 then 8<eos>", "8"),  # no A: -> last integer after the close
-        ("</think>done 6-2", "2"),  # '-' between digits is an operator, not a sign
-        ("<think>3+4=7\n6*2=2\n", "2"),  # no close, no A: -> last integer of the whole text
-        ("</think>A:<eos>", None),
-        ("</think>A:   ", None),
-        ("<think>7+5=2\n</think>no answer here", None),
-        ("", None),
-        ("</think>DATA: x", None),
-        ("</think>A:yes", "yes"),
-    ],
-)
-def test_extract_answer(text: str, expected: str | None) -> None:
-    assert extract_answer(text) == expected
-
-
-def test_extract_answer_never_raises() -> None:
-    for junk in ["<", "</think", "A", "A:", ":::", "</think></think>", "\x00\n", None, 3]:
-        extract_answer(junk)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("pred", "answer", "ok"),
-    [
-        ("4", "4", True),
-        (" 4 ", "4", True),
-        ("04", "4", True),
-        ("+4", "4", True),
-        ("5", "4", False),
-        (None, "4", False),
-        ("a  b", "a b", True),
-        ("yes", "Yes", False),
-        ("", "4", False),
-    ],
-)
-def test_is_correct(pred: str | None, answer: str, ok: bool) -> None:
-    assert is_correct(pred, answer) is ok
-
-
-# ---------------------------------------------------------------------------------------------
-# Batches
-
-_P1 = Problem("Q:1+2\n", "1+2=3\n", "3", 1)  # 19 tokens, context (bos + prompt) = 7
-_P2 = Problem("Q:3\n", "", "3", 0)  # 11 tokens, context = 5
+def _examples(tok: TextTokenizer, *problems: Problem) -> list[Example]:
+    examples = render_rows(tok, [Row(f"p{k}", messages=problem_messages(p)) for k, p in enumerate(problems)])
+    for ex in examples:
+        ex.source = "gen"
+    return examples
 
 
 def _positions(mask_row: torch.Tensor) -> list[int]:
     return mask_row.nonzero().flatten().tolist()
 
 
-def test_encode_examples_hand_checked(tok: CharTokenizer) -> None:
-    batch = encode_examples([_P1, _P2], tok, seq_len=24)
-    assert batch.input_ids.shape == batch.loss_mask.shape == (2, 24)
+def test_rendered_problems_have_the_expected_ids_and_targets(tok: TextTokenizer) -> None:
+    a, b = _examples(tok, _P1, _P2)
+    assert a.ids == _P1_IDS and a.targets == [False] * 8 + [True] * 11
+    assert b.ids == _P2_IDS and b.targets == [False] * 6 + [True] * 5
+
+
+def test_one_example_per_row_hand_checked(tok: TextTokenizer) -> None:
+    batch = assemble_batch(_examples(tok, _P1, _P2), batch_size=2, seq_len=24, pad_id=tok.pad_id)
+    assert batch.input_ids.shape == batch.loss_mask.shape == batch.segment_ids.shape == (2, 24)
     assert batch.input_ids.dtype == torch.long and batch.loss_mask.dtype == torch.bool
-    row0 = tok.encode(format_training_text(_P1))
-    assert len(row0) == 19
-    assert batch.input_ids[0].tolist() == row0 + [tok.pad_id] * 5
-    # Position 6 holds "\n" and predicts <think>; position 17 holds "3" and predicts <eos>.
-    assert _positions(batch.loss_mask[0]) == list(range(6, 18))
-    assert batch.input_ids[0, 7].item() == tok.think_open_id
-    assert _positions(batch.loss_mask[1]) == list(range(4, 10))
+    assert batch.input_ids[0].tolist() == _P1_IDS + [0] * 5
+    # Position 7 holds <think> and predicts the first trace token; position 17 holds "3" and predicts <eos>.
+    assert _positions(batch.loss_mask[0]) == list(range(7, 18))
+    assert batch.input_ids[1].tolist() == _P2_IDS + [0] * 13
+    assert _positions(batch.loss_mask[1]) == list(range(5, 10))
     assert batch.segment_ids[1].tolist() == [0] * 11 + [-1] * 13
-    assert batch.n_examples == 2 and batch.n_truncated == 0
-    targets = batch.targets
-    assert targets[0, 17].item() == tok.eos_id and targets[0, 6].item() == tok.think_open_id
+    assert (batch.n_examples, batch.n_truncated, batch.n_dropped, batch.n_skipped) == (2, 0, 0, 0)
+    assert batch.source_examples == {"gen": 2} and batch.source_tokens == {"gen": 30}
+    assert batch.targets[0, 17].item() == 2 and batch.targets[0, 7].item() == 25
+    moved = batch.to("cpu")
+    assert torch.equal(moved.input_ids, batch.input_ids) and moved.source_tokens == {"gen": 30}
 
 
-def test_encode_examples_truncates_and_warns(tok: CharTokenizer) -> None:
-    with pytest.warns(UserWarning, match="1 of 2 examples"):
-        batch = encode_examples([_P1, _P2], tok, seq_len=12)
-    assert batch.n_truncated == 1
-    assert batch.input_ids[0].tolist() == tok.encode(format_training_text(_P1))[:12]
-    assert _positions(batch.loss_mask[0]) == list(range(6, 11))  # last position has no next token
-    assert _positions(batch.loss_mask[1]) == list(range(4, 10))
+def test_overlong_truncate_is_counted_and_warned(tok: TextTokenizer) -> None:
+    with pytest.warns(UserWarning, match=r"1 of 2 examples are longer than seq_len=12 and were truncated"):
+        batch = assemble_batch(_examples(tok, _P1, _P2), 2, 12, tok.pad_id, overlong="truncate")
+    assert (batch.n_truncated, batch.n_dropped, batch.n_examples) == (1, 0, 2)
+    assert batch.input_ids[0].tolist() == _P1_IDS[:12]
+    assert _positions(batch.loss_mask[0]) == [7, 8, 9, 10]  # the last position has no next token
+    assert _positions(batch.loss_mask[1]) == list(range(5, 10))
 
 
-def test_pack_examples_hand_checked(tok: CharTokenizer) -> None:
-    batch = pack_examples([_P1, _P2, _P1], tok, seq_len=32)
-    assert batch.input_ids.shape == (2, 32)
-    ids = tok.encode(format_training_text(_P1)) + tok.encode(format_training_text(_P2))
-    assert batch.input_ids[0].tolist() == ids + [tok.pad_id] * 2
+def test_overlong_drop_is_counted_and_warned(tok: TextTokenizer) -> None:
+    with pytest.warns(UserWarning, match=r"1 of 2 examples are longer than seq_len=12 and were left out"):
+        batch = assemble_batch(_examples(tok, _P1, _P2), 2, 12, tok.pad_id, overlong="drop")
+    assert (batch.n_truncated, batch.n_dropped, batch.n_examples) == (0, 1, 1)
+    assert batch.input_ids[0].tolist() == [0] * 12 and not batch.loss_mask[0].any()
+    assert batch.input_ids[1].tolist() == _P2_IDS + [0]
+
+
+def test_packing_hand_checked(tok: TextTokenizer) -> None:
+    batch = assemble_batch(_examples(tok, _P1, _P2, _P1), 2, 32, tok.pad_id, pack=True)
+    assert batch.input_ids[0].tolist() == _P1_IDS + _P2_IDS + [0, 0]
     # Position 18 is the first example's <eos>: predicting the next <bos> is not a target.
-    assert _positions(batch.loss_mask[0]) == list(range(6, 18)) + list(range(23, 29))
+    assert _positions(batch.loss_mask[0]) == list(range(7, 18)) + list(range(24, 29))
     assert batch.segment_ids[0].tolist() == [0] * 19 + [1] * 11 + [-1] * 2
-    assert _positions(batch.loss_mask[1]) == list(range(6, 18))
-    assert batch.n_examples == 3
-    assert (batch.input_ids == tok.bos_id).sum().item() == 3
+    assert batch.input_ids[1].tolist() == _P1_IDS + [0] * 13
+    assert batch.n_examples == 3 and batch.n_skipped == 0
+    # First fit: the short example goes back into the first row, which still has room.
+    batch = assemble_batch(_examples(tok, _P1, _P1, _P2), 2, 32, tok.pad_id, pack=True)
+    assert batch.input_ids[0].tolist() == _P1_IDS + _P2_IDS + [0, 0]
+    # One row: the examples that fit nowhere are skipped and counted.
+    batch = assemble_batch(_examples(tok, _P1, _P1, _P2), 1, 32, tok.pad_id, pack=True)
+    assert batch.n_examples == 2 and batch.n_skipped == 1
+    with pytest.raises(ValueError, match="batch_size=3"):
+        assemble_batch(_examples(tok, _P1), 3, 32, tok.pad_id)
 
 
-def test_make_batch_and_stream_are_deterministic_and_resumable(tok: CharTokenizer) -> None:
-    cfg = ProblemConfig()
-    b3 = make_batch(cfg, tok, batch_size=8, seq_len=64, seed=11, index=3)
-    assert torch.equal(b3.input_ids, make_batch(cfg, tok, 8, 64, 11, 3).input_ids)
-    assert not torch.equal(b3.input_ids, make_batch(cfg, tok, 8, 64, 11, 4).input_ids)
-    assert not torch.equal(b3.input_ids, make_batch(cfg, tok, 8, 64, 12, 3).input_ids)
-    stream = batch_stream(cfg, tok, batch_size=8, seq_len=64, seed=11)
-    first = [next(stream) for _ in range(5)]
-    assert torch.equal(first[3].input_ids, b3.input_ids)
-    resumed = batch_stream(cfg, tok, 8, 64, seed=11).skip(3)
-    assert torch.equal(next(resumed).input_ids, b3.input_ids)
-    assert torch.equal(next(batch_stream(cfg, tok, 8, 64, 11, start=4)).input_ids, first[4].input_ids)
+# ---------------------------------------------------------------------------------------------
+# make_data_batch with generator sources
+
+
+def _clear_caches() -> None:
+    mixture._READERS.clear()
+    mixture._PLANS.clear()
+
+
+def test_stream_is_a_pure_function_of_seed_phase_step_rank(tok: TextTokenizer) -> None:
+    data = DataConfig()
+    kw = dict(batch_size=8, seq_len=64, seed=11, phase="distill1")
+    b3 = make_data_batch(data, tok, step=3, **kw)
+    _clear_caches()  # a fresh process resuming at step 3
+    again = make_data_batch(data, tok, step=3, **kw)
+    assert torch.equal(b3.input_ids, again.input_ids) and torch.equal(b3.loss_mask, again.loss_mask)
+    for other in (
+        make_data_batch(data, tok, step=4, **kw),
+        make_data_batch(data, tok, **{**kw, "seed": 12}, step=3),
+        make_data_batch(data, tok, **{**kw, "phase": "distill2"}, step=3),
+        make_data_batch(data, tok, step=3, rank=1, world=2, **kw),
+        make_data_batch(data.model_copy(update={"seed": 1}), tok, step=3, **kw),
+    ):
+        assert not torch.equal(other.input_ids, b3.input_ids)
     assert (b3.input_ids[:, 0] == tok.bos_id).all()
+    assert b3.source_examples == {"generator": 8}
 
 
-def test_packed_batches_fill_rows(tok: CharTokenizer) -> None:
-    cfg = ProblemConfig()
-    batch = make_batch(cfg, tok, batch_size=4, seq_len=256, seed=0, index=0, pack=True)
+def test_make_batch_is_the_generator_only_shortcut(tok: TextTokenizer) -> None:
+    cfg = ProblemConfig(max_steps=3)
+    legacy = make_batch(cfg, tok, 4, 48, seed=5, index=2)
+    data = DataConfig(sources=[GeneratorSource(max_steps=3)])
+    direct = make_data_batch(data, tok, batch_size=4, seq_len=48, seed=5, phase="batch", step=2)
+    assert torch.equal(legacy.input_ids, direct.input_ids)
+    texts = [tok.decode(row, skip_special=True) for row in legacy.input_ids.tolist()]
+    for text in texts:  # every row is a correct problem of at most 3 steps
+        prompt, rest = text.split("\n", 1)
+        assert re.fullmatch(r"Q:\d([+\-*]\d){1,3}", prompt), text
+        answer = rest.rsplit("A:", 1)[1]
+        assert check_trace(Problem(prompt + "\n", rest.rsplit("A:", 1)[0], answer))
+
+
+def test_packed_generator_batches_fill_rows(tok: TextTokenizer) -> None:
+    data = DataConfig(pack=True)
+    batch = make_data_batch(data, tok, batch_size=4, seq_len=256, seed=0, phase="p", step=0)
     assert batch.input_ids.shape == (4, 256)
     assert batch.n_examples == (batch.input_ids == tok.bos_id).sum().item() > 4 * 256 // 70
-    # Unused tail of each row is shorter than one example.
-    assert ((batch.input_ids == tok.pad_id).sum(dim=1) < 70).all()
-    again = next(batch_stream(cfg, tok, 4, 256, seed=0, pack=True))
-    assert torch.equal(again.input_ids, batch.input_ids) and torch.equal(again.loss_mask, batch.loss_mask)
-    # Every masked position predicts a token of the same example.
-    seg = batch.segment_ids
-    assert (seg[:, :-1][batch.loss_mask[:, :-1]] == seg[:, 1:][batch.loss_mask[:, :-1]]).all()
-    assert not batch.loss_mask[:, -1].any()
+    assert ((batch.input_ids == tok.pad_id).sum(dim=1) < 40).all()  # rows are nearly full
+    seg, mask = batch.segment_ids, batch.loss_mask
+    assert (seg[:, :-1][mask[:, :-1]] == seg[:, 1:][mask[:, :-1]]).all()  # targets stay in their example
+    assert not mask[:, -1].any()
+    assert batch.source_examples == {"generator": batch.n_examples}
 
 
-def test_batches_respect_exclude(tok: CharTokenizer) -> None:
-    cfg = ProblemConfig(min_steps=1, max_steps=1, modulus=3)
+def test_batches_respect_exclude(tok: TextTokenizer) -> None:
+    cfg = dict(min_steps=1, max_steps=1, modulus=3)
     everything = sorted(f"Q:{a}{op}{b}\n" for a in range(3) for op in "+-*" for b in range(3))
     banned, allowed = set(everything[::2]), set(everything[1::2])
-    batch = make_batch(cfg, tok, 16, 32, seed=0, index=0, exclude=banned)
-    texts = [tok.decode(row, skip_special=True) for row in batch.input_ids.tolist()]
-    assert all(t.split("\n")[0] + "\n" in allowed for t in texts)
+    data = DataConfig(sources=[GeneratorSource(**cfg)])
+    batch = make_data_batch(data, tok, batch_size=32, seq_len=32, seed=0, phase="p", step=0, exclude=banned)
+    prompts = {tok.decode(row, skip_special=True).split("\n")[0] + "\n" for row in batch.input_ids.tolist()}
+    assert prompts <= allowed and len(prompts) > 3
+
+
+def test_two_generators_mix_exactly(tok: TextTokenizer) -> None:
+    data = DataConfig(
+        sources=[GeneratorSource(max_steps=1, weight=7, name="easy"), GeneratorSource(min_steps=5, weight=3)]
+    )
+    counts = {"easy": 0, "generator": 0}
+    for step in range(10):  # 10 steps of 100 slots: exactly one block of 1000
+        batch = make_data_batch(data, tok, batch_size=100, seq_len=64, seed=0, phase="p", step=step)
+        for name, n in batch.source_examples.items():
+            counts[name] += n
+    assert counts == {"easy": 700, "generator": 300}
+
+
+def test_apportion_is_exact() -> None:
+    assert mixture.apportion([0.7, 0.3]) == [700, 300]
+    assert mixture.apportion([1, 1, 1]) == [334, 333, 333]
+    assert mixture.apportion([0.0015, 0.9985]) == [2, 998]
+
+
+def _slots_reference(quota: list[int], base: int, start: int, n: int) -> tuple[list[int], list[int]]:
+    """Every slot from 0 in order, counting each source's earlier slots one by one."""
+    pattern = [i for i, q in enumerate(quota) for _ in range(q)]
+    seen = [0] * len(quota)
+    labels, positions = [], []
+    for t in range(start + n):
+        b, k = divmod(t, sum(quota))
+        label = int(np.random.default_rng(derive_seed("block", base, b)).permutation(pattern)[k])
+        if t >= start:
+            labels.append(label)
+            positions.append(seen[label])
+        seen[label] += 1
+    return labels, positions
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 7), (995, 10), (1990, 1020)])
+def test_mixture_slots_match_the_slot_by_slot_reference(start: int, n: int) -> None:
+    quota = [700, 250, 50]
+    labels, positions = mixture.mixture_slots(quota, base=42, start=start, n=n)
+    assert (labels.tolist(), positions.tolist()) == _slots_reference(quota, 42, start, n)
+
+
+def test_arguments_are_checked(tok: TextTokenizer) -> None:
+    data = DataConfig()
+    for bad, match in [
+        (dict(batch_size=0), "batch_size"),
+        (dict(seq_len=1), "seq_len"),
+        (dict(rank=2, world=2), "rank"),
+        (dict(step=-1), "step"),
+    ]:
+        kw = dict(batch_size=2, seq_len=16, seed=0, phase="p", step=0) | bad
+        with pytest.raises(ValueError, match=match):
+            make_data_batch(data, tok, **kw)
+    with pytest.raises(ValidationError, match="resolution"):
+        DataConfig(sources=[GeneratorSource(weight=1), GeneratorSource(weight=1e-4)])
+    with pytest.raises(ValidationError, match="overlong"):
+        DataConfig(overlong="cut")
+    with pytest.raises(ValidationError, match="modulus"):
+        DataConfig(sources=[{"type": "generator", "modulus": 11}])
+    for name, field in DataConfig.model_fields.items():
+        assert field.description, name
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL helpers
+
+
+def test_problem_rows_round_trip_through_jsonl(tmp_path) -> None:
+    problems = generate_problems(5, ProblemConfig(), seed=9)
+    path = write_jsonl(problem_rows(problems), tmp_path / "sub" / "rows.jsonl")
+    rows = read_jsonl(path)
+    assert rows[0]["messages"] == problem_messages(problems[0]) and rows[0]["answer"] == problems[0].answer
+    path.write_text(path.read_text() + "\n[1]\n")
+    with pytest.raises(ValueError, match=r"rows\.jsonl:7: expected a JSON object"):
+        read_jsonl(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,12 +464,14 @@ def test_gym_source_reports_missing_package() -> None:
         pytest.skip("reasoning_gym is installed")
     with pytest.raises(ImportError, match="reasoning-gym"):
         reasoning_gym_problems("leg_counting", 2, seed=0)
+    with pytest.raises(ValidationError, match="reasoning-gym"):
+        DataConfig(sources=[{"type": "reasoning_gym", "task": "leg_counting"}])
 
 
 @pytest.mark.skipif(not gym_available(), reason="reasoning_gym is not installed")
-def test_gym_source_problems() -> None:
+def test_gym_source_rows(tok: TextTokenizer) -> None:
     problems = reasoning_gym_problems("leg_counting", 5, seed=0)
     assert len(problems) == 5 and problems == reasoning_gym_problems("leg_counting", 5, seed=0)
-    for p in problems:
-        assert p.prompt.startswith("Q:") and p.prompt.endswith("\n") and p.answer
-        assert extract_answer(f"</think>A:{p.answer}<eos>") == p.answer
+    data = DataConfig(sources=[{"type": "reasoning_gym", "task": "leg_counting"}])
+    batch = make_data_batch(data, tok, batch_size=2, seq_len=512, seed=0, phase="p", step=0)
+    assert batch.source_examples == {"reasoning_gym:leg_counting": 2}

@@ -1,4 +1,4 @@
-"""Budget views (shared storage, same logits as the mask) and think-then-answer budget control."""
+"""Budget views (shared storage, same logits as the mask), think-then-answer budget control, multi-token markers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,17 @@ import torch
 from model.budget_view import BudgetRegistry, budget_model, copied_bytes
 from model.config import HybridConfig
 from model.elastic import Architecture, extract, hard_mask
-from model.generate import SamplingParams, generate
+from model.generate import RowStart, SamplingParams, decode_rows, generate
 from model.hybrid import HybridLM
-from model.phases import PhaseTokens, budget_control, carry_incompatibility, cut_thinking, think_then_answer
+from model.phases import (
+    PhaseTokens,
+    budget_control,
+    carry_incompatibility,
+    cut_thinking,
+    drop_partial_marker,
+    resume_target,
+    think_then_answer,
+)
 from tests.conftest import TINY
 
 MID = Architecture(hidden=24, moe_ffn=8, experts=3, shared_ffn=16)
@@ -179,3 +187,100 @@ def test_bad_requests(full):
     assert len(ok) == 1
     with pytest.raises(ValueError, match="empty"):
         think_then_answer(full, full, tokens, [[]], 4, 4)
+
+
+# ---------------------------------------------------------------------- multi-token close markers
+def _first_close(tokens: list[int], close: tuple[int, ...]) -> int | None:
+    """Slow reference: index where ``close`` first occurs in ``tokens`` (None if it never does)."""
+    for j in range(len(tokens) - len(close) + 1):
+        if tuple(tokens[j : j + len(close)]) == close:
+            return j
+    return None
+
+
+def test_phase_tokens_take_an_id_or_a_sequence():
+    assert PhaseTokens(7, frozenset()).think_close == (7,)
+    assert PhaseTokens([7, 8], frozenset()).think_close == (7, 8)
+    with pytest.raises(ValueError, match="think_close"):
+        PhaseTokens((), frozenset())
+
+
+def test_stop_sequences_are_suffix_matches(full):
+    free = _free(full, PROMPTS, 16)
+    pair = (free[0][6], free[0][7])
+    outs = decode_rows(full, [RowStart(p) for p in PROMPTS], SamplingParams(16, stop_sequences=(pair,)))
+    for f, o in zip(free, outs, strict=True):
+        j = _first_close(f, pair)
+        if j is None:
+            assert o.tokens == f and o.stop_reason == "length"
+        else:
+            assert o.tokens == f[: j + 2] and o.stop_reason == "stop_sequence"
+    # the sequence's last id alone (after any other id) does not stop a row
+    last = free[0][7]
+    never = next(t for t in range(64) if all(_first_close(f, (t, last)) is None for f in free))
+    outs = decode_rows(full, [RowStart(p) for p in PROMPTS], SamplingParams(16, stop_sequences=((never, last),)))
+    assert [o.tokens for o in outs] == free and {o.stop_reason for o in outs} == {"length"}
+    with pytest.raises(ValueError, match="stop_sequences"):
+        SamplingParams(stop_sequences=((),))
+
+
+def test_multi_token_marker_closes_on_the_whole_sequence(full):
+    free = _free(full, PROMPTS, 16)
+    close = (free[1][2], free[1][3])  # a bigram the model produces in several rows
+    tokens = PhaseTokens(think_close=close, line_breaks=frozenset(), decode=_decode)
+    res = think_then_answer(full, full, tokens, PROMPTS, None, 5, think_limit=16)
+    closed = 0
+    for p, f, r in zip(PROMPTS, free, res, strict=True):
+        j = _first_close(f, close)
+        if j is not None and j + 2 <= 16:
+            closed += 1
+            assert r.think_stop == "close" and r.think_tokens == f[:j]
+            assert r.answer_start == "continued" and r.answer_fed == 1  # only the marker's last id is fed
+        else:
+            assert r.think_stop == "limit" and r.think_tokens == f[:16]
+        ref = generate(full, [p + r.think_tokens + list(close)], SamplingParams(5))[0][0]
+        assert r.answer_tokens == ref  # continuing == decoding prompt + thinking + whole marker afresh
+    assert closed >= 3
+    # elastic re-prefill feeds prompt + thinking + the whole marker
+    other = budget_model(full, Architecture())
+    ela = think_then_answer(full, other, tokens, PROMPTS, None, 5, think_limit=16)
+    for p, r, e in zip(PROMPTS, res, ela, strict=True):
+        assert e.answer_start == "re_prefill" and e.answer_fed == len(p) + len(r.think_tokens) + 2
+        assert e.answer_tokens == r.answer_tokens
+
+
+def test_multi_token_cap_counts_tokens_between_the_markers(full):
+    free = _free(full, PROMPTS, 16)
+    close = (free[1][2], free[1][3])
+    tokens = PhaseTokens(think_close=close, line_breaks=frozenset())
+    cap = 4
+    res = think_then_answer(full, full, tokens, PROMPTS, cap, 3)
+    for f, r in zip(free, res, strict=True):
+        j = _first_close(f, close)
+        if j is not None and j <= cap - 1:  # thinking of at most cap-1 tokens, then the two marker ids
+            assert r.think_stop == "close" and r.think_tokens == f[:j]
+            assert r.think_generated == j + 2
+        else:
+            assert r.think_stop == "cap" and r.think_tokens == f[:cap] and r.think_generated == cap + 1
+    # a cut that ends inside the marker drops the partial marker before appending the whole one
+    broken = (free[1][2], next(t for t in range(64) if all(_first_close(f, (free[1][2], t)) is None for f in free)))
+    tokens = PhaseTokens(think_close=broken, line_breaks=frozenset())
+    r = think_then_answer(full, full, tokens, [PROMPTS[1]], 3, 3)[0]
+    assert free[1][2] == broken[0] and r.think_stop == "cap" and r.think_tokens == free[1][:2]
+    ref = generate(full, [PROMPTS[1] + free[1][:2] + list(broken)], SamplingParams(3))[0][0]
+    assert r.answer_tokens == ref
+
+
+def test_partial_marker_and_resume_target_hand_built():
+    assert drop_partial_marker([1, 2, 7], (7, 8, 9)) == [1, 2]
+    assert drop_partial_marker([1, 7, 8], (7, 8, 9)) == [1]
+    assert drop_partial_marker([1, 7, 8, 9], (7, 8, 9)) == [1, 7, 8, 9]  # a whole marker is not partial
+    assert drop_partial_marker([1, 2, 3], (7,)) == [1, 2, 3]
+    assert drop_partial_marker([], (7, 8)) == []
+    # closed on its own: the state consumed prompt + thinking + marker[:-1]; the marker's last id is left
+    assert resume_target(5, [1, 2, 7, 8], [1, 2, 7, 8]) == 5 + 3
+    # cut at a line break: the state must not have consumed past the kept thinking
+    assert resume_target(5, [1, 10, 3, 4], [1, 10, 7, 8]) == 5 + 2
+    # single-id marker: prompt + thinking, then the marker is fed
+    assert resume_target(5, [1, 2, 7], [1, 2, 7]) == 5 + 2
+    assert resume_target(5, [], [7]) == 5
