@@ -41,8 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, load_average, machine_info, replace_section, save_json, set_threads  # noqa: E402
-from components.data import ProblemConfig, derive_seed, generate_eval_sets, make_batch  # noqa: E402
-from components.data.tokenizer import CharTokenizer  # noqa: E402
+from components.data import ProblemConfig, TextTokenizer, derive_seed, generate_eval_sets, make_batch, make_data_batch  # noqa: E402
 from components.distill.config import DistillConfig  # noqa: E402
 from components.distill.worker import lr_factor  # noqa: E402
 from components.evaluate import EvalConfig, problem_sets  # noqa: E402
@@ -77,7 +76,7 @@ def require(path: Path, what: str) -> Path:
     return path
 
 
-def heldout_batches(cfg: DistillConfig, tok: CharTokenizer, n: int, seed: int) -> list[Any]:
+def heldout_batches(cfg: DistillConfig, tok: TextTokenizer, n: int, seed: int) -> list[Any]:
     """``n`` batches of 32 fresh problems, one per row as the parent was trained and is evaluated, from
     a stream no training step draws from (the eval prompts excluded)."""
     stream = derive_seed("baseline-heldout", seed)
@@ -98,7 +97,7 @@ def heldout_kd(student: HybridLM, teacher_logits: list[torch.Tensor], batches: l
 
 
 def plain_kd(
-    student: HybridLM, teacher: HybridLM, tok: CharTokenizer, phase: DistillConfig, steps: int, seed: int
+    student: HybridLM, teacher: HybridLM, tok: TextTokenizer, phase: DistillConfig, steps: int, seed: int
 ) -> dict[str, Any]:
     """Distil ``student`` alone for ``steps`` steps shaped like ``phase`` (its global batch, sequence
     length, packing, lr, warmup share, cosine floor, weight decay, clip); returns tokens, time, losses."""
@@ -116,7 +115,10 @@ def plain_kd(
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = phase.lr * lr_factor(step, steps, warmup, phase.min_lr_ratio)
-        batch = make_batch(phase.data, tok, rows, phase.seq_len, stream, step, pack=phase.packed, exclude=excluded)
+        batch = make_data_batch(
+            phase.data, tok, batch_size=rows, seq_len=phase.seq_len, seed=stream, phase=f"baseline{phase.phase}",
+            step=step, exclude=excluded,
+        )  # fmt: skip
         with torch.no_grad():
             zt = teacher(batch.input_ids).logits
         loss = kd_loss(student(batch.input_ids).logits, zt, batch.loss_mask)
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phase1_dir = require(Path(p1.output_dir), "the phase-1 student")
     phase2_dir = require(Path(p2.output_dir), "the phase-2 student")
     nested_dir = require(run_dir / "export" / "nested", "the nested checkpoint (export stage)")
-    tok = CharTokenizer.load(teacher_dir)
+    tok = TextTokenizer.load(teacher_dir)
     teacher = HybridLM.from_pretrained(teacher_dir).eval().requires_grad_(False)
     phase1 = HybridLM.from_pretrained(phase1_dir).eval()
     nested = HybridLM.from_pretrained(nested_dir).eval()

@@ -34,7 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import format_table, machine_info, set_threads  # noqa: E402
-from components.data import CharTokenizer, ProblemConfig, make_batch  # noqa: E402
+from components.data import ProblemConfig, TextTokenizer, build_demo_tokenizer, make_batch  # noqa: E402
 from components.distill.worker import ElasticStudent, elastic_loss, router_generator  # noqa: E402
 from components.parent import DEMO_PARENT_ARCH  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
@@ -64,7 +64,7 @@ BUDGETS = {"full": 1.0, "mid": 0.78, "small": 0.56}
 
 def measure(space_name: str, batch_size: int, seq_len: int, warmup: int, repeats: int, seed: int = 0) -> dict[str, Any]:
     """Median seconds of both steps and the median per-pair ratio for one elastic space."""
-    tok = CharTokenizer()
+    tok = TextTokenizer(build_demo_tokenizer())
     config = HybridConfig(vocab_size=tok.vocab_size, **DEMO_PARENT_ARCH)
     teacher = HybridLM(config).init_weights(seed).requires_grad_(False).eval()
     space = ElasticSpace(**SPACES[space_name])

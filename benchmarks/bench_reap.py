@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks.common import format_table, machine_info, replace_section, save_json, set_threads  # noqa: E402
 from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch  # noqa: E402
-from components.data.tokenizer import CharTokenizer  # noqa: E402
+from components.data.tokenizer import TextTokenizer  # noqa: E402
 from components.lm_eval import task_accuracy  # noqa: E402
 from model.elastic.importance import rank_model  # noqa: E402
 from model.elastic.permute import permute_experts  # noqa: E402
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
 
     parent = HybridLM.from_pretrained(args.parent).eval()
-    tok = CharTokenizer.load(args.parent)
+    tok = TextTokenizer.load(args.parent)
     cfg = parent.config
     problem = ProblemConfig()
     eval_sets = generate_eval_sets(args.eval_levels, args.eval_per_level, args.eval_seed, problem)

@@ -1,26 +1,45 @@
-"""Train the small demo parent on the built-in reasoning task (the embedded default).
+"""Train a small parent from scratch: the demo's, or one on any tokenizer and data mixture.
 
-The parent has every nemotron_h layer kind (Mamba2, attention, MoE, dense MLP) and
-is sized to train on 2 CPU cores in minutes. It learns the task well enough that
-thinking clearly beats answering directly and accuracy falls as chains get longer,
-so budgets and thinking caps make measurable differences downstream.
+The parent has every nemotron_h layer kind (Mamba2, attention, MoE, dense MLP) and is sized to
+train on 2 CPU cores in minutes. The demo parent learns the built-in reasoning task well enough
+that thinking clearly beats answering directly and accuracy falls as chains get longer, so budgets
+and thinking caps make measurable differences downstream.
+
+Design choices:
+
+* One path for every parent: the tokenizer is loaded with transformers' ``AutoTokenizer`` (the
+  demo's character tokenizer is built as a ``tokenizer.json`` when ``tokenizer`` is null), rows
+  come from the ``data`` mixture rendered through the tokenizer's chat template, and accuracy is
+  measured on an evaluation set (a JSONL file, or the generator's held-out levels).
+* ``writer: transformers`` writes the checkpoint with ``NemotronHForCausalLM.save_pretrained``, so
+  the pipeline downstream reads it exactly like a checkpoint a team brings.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
-from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch
-from components.data.tokenizer import CharTokenizer
+from components.data import (
+    DataConfig,
+    GeneratorSource,
+    ReasoningMarkers,
+    TextTokenizer,
+    build_demo_tokenizer,
+    held_out_prompts,
+    make_data_batch,
+)
+from components.data.answers import AnswerFormat
+from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set
 from components.lm_eval import task_accuracy
 from components.tracking import NullTracker, Tracker
 from model.config import HybridConfig
@@ -47,7 +66,7 @@ DEMO_PARENT_ARCH: dict[str, Any] = {
 
 
 class ParentTrainConfig(BaseModel):
-    """How the demo parent is built and trained."""
+    """How a parent is built and trained (the demo's by default)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -55,7 +74,23 @@ class ParentTrainConfig(BaseModel):
     architecture: dict[str, Any] = Field(
         default_factory=lambda: dict(DEMO_PARENT_ARCH), description="nemotron_h fields of the parent."
     )
-    data: ProblemConfig = Field(default_factory=ProblemConfig, description="Training problems.")
+    tokenizer: str | None = Field(
+        None,
+        description="Folder (or s3:// URI) with the tokenizer files (tokenizer.json, tokenizer_config.json, chat "
+        "template, generation_config.json); null: the demo's character tokenizer.",
+    )
+    markers: ReasoningMarkers = Field(default_factory=ReasoningMarkers, description="Reasoning markers.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training mixture (default: the generator).")
+    eval: EvalSetConfig | None = Field(
+        None,
+        description="Evaluation set (JSONL); null: the generator's held-out levels (eval_levels x eval_per_level).",
+    )
+    max_new_tokens: int = Field(96, ge=1, description="Thinking + answer tokens per evaluated problem.")
+    writer: Literal["native", "transformers"] = Field(
+        "native",
+        description="Who writes the checkpoint: this project's writer, or transformers' "
+        "NemotronHForCausalLM.save_pretrained (as a published checkpoint is written).",
+    )
     steps: int = Field(900, ge=1, description="Optimizer steps.")
     batch_size: int = Field(64, ge=1, description="Sequences per step.")
     seq_len: int = Field(64, ge=8, description="Tokens per sequence (one problem per row).")
@@ -137,30 +172,84 @@ def masked_lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: tor
     return F.cross_entropy(pred[m], tgt[m])
 
 
-def evaluate_parent(model: HybridLM, tok: CharTokenizer, eval_sets: dict[int, list]) -> dict[str, float]:
-    """Accuracy per level with full thinking and answering directly."""
+def evaluate_parent(
+    model: HybridLM, tok: TextTokenizer, sets: dict[str, list[EvalItem]], max_new_tokens: int = 96
+) -> dict[str, float]:
+    """Accuracy per set label with full thinking and answering directly (``acc_think_L1`` for level 1)."""
     out: dict[str, float] = {}
     model.eval()
-    for level, problems in eval_sets.items():
-        out[f"acc_think_L{level}"] = task_accuracy(model, tok, problems, think=True).accuracy
-        out[f"acc_direct_L{level}"] = task_accuracy(model, tok, problems, think=False).accuracy
-    n = len(eval_sets)
-    out["acc_think"] = sum(out[f"acc_think_L{lv}"] for lv in eval_sets) / n
-    out["acc_direct"] = sum(out[f"acc_direct_L{lv}"] for lv in eval_sets) / n
+    for label, items in sets.items():
+        key = f"L{label}" if label.isdigit() else label
+        out[f"acc_think_{key}"] = task_accuracy(model, tok, items, think=True, max_new_tokens=max_new_tokens).accuracy
+        out[f"acc_direct_{key}"] = task_accuracy(model, tok, items, think=False, max_new_tokens=max_new_tokens).accuracy
+    n = len(sets)
+    out["acc_think"] = sum(v for k, v in out.items() if k.startswith("acc_think_")) / n
+    out["acc_direct"] = sum(v for k, v in out.items() if k.startswith("acc_direct_")) / n
+    return out
+
+
+def load_parent_tokenizer(cfg: ParentTrainConfig) -> TextTokenizer:
+    """The configured tokenizer, or the demo's character tokenizer written to a temporary folder and
+    loaded through the same ``AutoTokenizer`` path."""
+    from components.storage import materialize
+
+    if cfg.tokenizer is not None:
+        return TextTokenizer.load(materialize(cfg.tokenizer), cfg.markers)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_demo_tokenizer().save_pretrained(tmp)
+        return TextTokenizer.load(tmp, cfg.markers)
+
+
+def eval_items(cfg: ParentTrainConfig) -> dict[str, list[EvalItem]]:
+    """Label -> evaluation items: the configured JSONL set, or the generator's held-out levels."""
+    if cfg.eval is None:
+        return builtin_items(cfg.eval_levels, cfg.eval_per_level, cfg.seed, AnswerFormat())
+    return load_eval_set(cfg.eval, cfg.eval.answer_format or AnswerFormat(), prefix=False)
+
+
+def excluded_prompts(cfg: ParentTrainConfig, sets: dict[str, list[EvalItem]]) -> set[str]:
+    """User turns never trained on: every evaluation question, and the generator's held-out prompts."""
+    out = {m["content"] for items in sets.values() for item in items for m in item.messages if m["role"] == "user"}
+    for source in cfg.data.sources:
+        if isinstance(source, GeneratorSource):
+            held = held_out_prompts(cfg.eval_levels, cfg.eval_per_level, cfg.seed, source.problem_config())
+            out |= held or set()
+    return out
+
+
+def save_with_transformers(model: HybridLM, out: Path, extra_files: dict[str, Path]) -> Path:
+    """Write ``model`` with transformers' ``NemotronHForCausalLM.save_pretrained`` (plus ``extra_files``).
+
+    The weights go through this project's writer into a temporary folder that transformers loads
+    (checking every tensor name and shape), then transformers writes the checkpoint itself.
+    """
+    import shutil
+
+    from transformers import NemotronHForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(Path(tmp) / "ours")
+        hf = NemotronHForCausalLM.from_pretrained(Path(tmp) / "ours", dtype=model.lm_head.weight.dtype)
+        out.mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(out)
+    for name, path in extra_files.items():
+        shutil.copyfile(path, out / name)
     return out
 
 
 def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict[str, Any]:
-    """Train, evaluate and save the demo parent; returns the metrics (also in ``metrics.json``)."""
+    """Train, evaluate and save a parent; returns the metrics (also in ``metrics.json``)."""
     tracker = tracker or NullTracker()
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    tok = CharTokenizer()
-    config = HybridConfig(vocab_size=tok.vocab_size, **cfg.architecture)
+    tok = load_parent_tokenizer(cfg)
+    vocab = -(-tok.vocab_size // 16) * 16  # embedding rows rounded up to a multiple of 16
+    ids = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    config = HybridConfig(vocab_size=vocab, passthrough=ids, **cfg.architecture)
     model = HybridLM(config).init_weights(cfg.seed)
-    tracker.log_params({"parent": cfg.model_dump(), "num_parameters": model.num_parameters()})
-    eval_sets = generate_eval_sets(cfg.eval_levels, cfg.eval_per_level, cfg.seed, cfg.data)
-    exclude = eval_prompts(eval_sets)
+    tracker.log_params({"parent": cfg.model_dump(mode="json"), "num_parameters": model.num_parameters()})
+    sets = eval_items(cfg)
+    exclude = excluded_prompts(cfg, sets)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
     opt = torch.optim.AdamW(
@@ -175,7 +264,10 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
     history: list[dict[str, float]] = []
     bar = tqdm(range(cfg.steps), desc="parent", unit="step", mininterval=2.0)
     for step in bar:
-        batch = make_batch(cfg.data, tok, cfg.batch_size, cfg.seq_len, cfg.seed, step, exclude=exclude)
+        batch = make_data_batch(
+            cfg.data, tok, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, phase="parent", step=step,
+            exclude=exclude,
+        )  # fmt: skip
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss = masked_lm_loss(model(batch.input_ids).logits, batch.input_ids, batch.loss_mask)
@@ -200,17 +292,17 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
     if balancer is not None:
         balancer.detach()
     metrics = {"train_seconds": train_s, "tokens_seen": tokens_seen, "final_loss": history[-1]["loss"]}
-    metrics.update(evaluate_parent(model, tok, eval_sets))
+    metrics.update(evaluate_parent(model, tok, sets, cfg.max_new_tokens))
     metrics["num_parameters"] = model.num_parameters()
     tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float)})
     out = Path(cfg.output_dir)
-    tok_dir = out.parent / ".tokenizer-staging"
-    tok.save(tok_dir)
-    extra = {p.name: p for p in tok_dir.iterdir()}
-    model.save_pretrained(out, extra_files=extra)
-    for p in tok_dir.iterdir():
-        p.unlink()
-    tok_dir.rmdir()
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save(tmp)
+        extra = {p.name: p for p in Path(tmp).iterdir() if p.is_file()}
+        if cfg.writer == "transformers":
+            save_with_transformers(model, out, extra)
+        else:
+            model.save_pretrained(out, extra_files=extra)
     (out.parent / "metrics.json").write_text(json.dumps({"metrics": metrics, "history": history}, indent=2))
     tracker.log_artifact(out.parent / "metrics.json")
     return metrics

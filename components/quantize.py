@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
+from components.data import DataConfig, ReasoningMarkers
 from components.tracking import NullTracker, Tracker
 
 EvaluateFn = Callable[[str], dict[str, float]]
@@ -65,6 +67,11 @@ class QuantCalibrationConfig(BaseModel):
     per_budget: bool = Field(
         True, description="Also calibrate under every budget's mask; the per-tensor scale covers all budgets."
     )
+    data: DataConfig = Field(
+        default_factory=lambda: DataConfig(pack=True),
+        description="Calibration mixture (same format as distillation), rendered with the checkpoint's tokenizer.",
+    )
+    markers: ReasoningMarkers = Field(default_factory=ReasoningMarkers, description="Reasoning markers.")
 
 
 class QuantizeConfig(BaseModel):
@@ -121,19 +128,24 @@ class QuantizeOutputs(BaseModel):
 
 # ---------------------------------------------------------------------- inputs
 def calibration_batches(folder: Path, vocab_size: int, cfg: QuantCalibrationConfig) -> list[torch.Tensor]:
-    """Token batches (batch_size, seq_len): built-in problems with the checkpoint's tokenizer, else random ids."""
-    from components.data.tokenizer import TOKENIZER_FILE
+    """Token batches (batch_size, seq_len) of ``cfg.data`` rendered with the checkpoint's tokenizer.
 
-    if (folder / TOKENIZER_FILE).is_file():
-        from components.data import ProblemConfig, make_batch
-        from components.data.tokenizer import CharTokenizer
+    A checkpoint without tokenizer files (a bare test checkpoint) calibrates on random ids, with a
+    warning: its scales then only cover the weights' own range.
+    """
+    from components.data import make_data_batch
+    from components.data.checks import check_data
+    from model.elastic.export import tokenizer_files
 
-        tok = CharTokenizer.load(folder)
-        if tok.vocab_size <= vocab_size:
-            return [
-                make_batch(ProblemConfig(), tok, cfg.batch_size, cfg.seq_len, cfg.seed, i, pack=True).input_ids
-                for i in range(cfg.num_batches)
-            ]
+    if tokenizer_files(folder):
+        tok = check_data(cfg.data, folder, cfg.markers, vocab_size, "quantize.calibration.data")
+        return [
+            make_data_batch(
+                cfg.data, tok, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, phase="quantize", step=i
+            ).input_ids
+            for i in range(cfg.num_batches)
+        ]
+    warnings.warn(f"{folder} has no tokenizer files: FP8 activation scales are calibrated on random ids", stacklevel=2)
     g = torch.Generator().manual_seed(cfg.seed)
     return [torch.randint(0, vocab_size, (cfg.batch_size, cfg.seq_len), generator=g) for _ in range(cfg.num_batches)]
 

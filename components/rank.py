@@ -37,8 +37,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from components.data import ProblemConfig, held_out_prompts, make_batch
-from components.data.tokenizer import CONFIG_FILE, TOKENIZER_FILE, CharTokenizer
+from components.data import (
+    DataConfig,
+    GeneratorSource,
+    ReasoningMarkers,
+    TextTokenizer,
+    held_out_prompts,
+    make_data_batch,
+)
+from components.data.checks import check_data
 from components.tracking import Tracker
 from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
 
@@ -55,8 +62,14 @@ class CalibrationConfig(BaseModel):
     seq_len: int = Field(128, ge=8, description="Tokens per calibration sequence.")
     batch_size: int = Field(16, ge=1, description="Sequences per forward pass.")
     seed: int = Field(1234, description="Seed of the calibration data stream (keep it apart from training seeds).")
-    pack: bool = Field(True, description="Pack several problems per row so no padding enters the statistics.")
-    problem: ProblemConfig = Field(default_factory=ProblemConfig, description="Demo reasoning problems.")
+    data: DataConfig = Field(
+        default_factory=lambda: DataConfig(pack=True),
+        description="Calibration data: the same mixture format as distillation (files, the built-in generator, "
+        "reasoning-gym), rendered with the parent's tokenizer; pack it so padding never dilutes the statistics.",
+    )
+    markers: ReasoningMarkers = Field(
+        default_factory=ReasoningMarkers, description="Reasoning markers of the parent's tokenizer."
+    )
     exclude_eval_levels: list[int] = Field(
         default_factory=lambda: [1, 2, 3, 4, 5, 6], description="Held-out eval levels whose prompts are excluded."
     )
@@ -107,14 +120,21 @@ class RankOutputs(BaseModel):
 
 # ---------------------------------------------------------------------- calibration data
 def _exclude(cal: CalibrationConfig) -> set[str] | None:
-    return held_out_prompts(cal.exclude_eval_levels, cal.exclude_eval_per_level, cal.exclude_eval_seed, cal.problem)
+    """Held-out prompts of every generator source's evaluation levels (never calibrated on)."""
+    out: set[str] = set()
+    for source in cal.data.sources:
+        if isinstance(source, GeneratorSource):
+            levels, n, seed = cal.exclude_eval_levels, cal.exclude_eval_per_level, cal.exclude_eval_seed
+            out |= held_out_prompts(levels, n, seed, source.problem_config()) or set()
+    return out or None
 
 
-def calibration_batch(cal: CalibrationConfig, tok: CharTokenizer, index: int, exclude: set[str] | None) -> torch.Tensor:
+def calibration_batch(cal: CalibrationConfig, tok: TextTokenizer, index: int, exclude: set[str] | None) -> torch.Tensor:
     """Input ids (batch_size, seq_len) of calibration batch ``index``."""
-    return make_batch(
-        cal.problem, tok, cal.batch_size, cal.seq_len, cal.seed, index, pack=cal.pack, exclude=exclude
-    ).input_ids
+    return make_data_batch(
+        cal.data, tok, batch_size=cal.batch_size, seq_len=cal.seq_len, seed=cal.seed, phase="rank", step=index,
+        exclude=exclude,
+    ).input_ids  # fmt: skip
 
 
 def calibrate_share(
@@ -127,7 +147,7 @@ def calibrate_share(
     torch.set_num_threads(threads)
     cfg = CalibrationConfig.model_validate(cal)
     folder = materialize(parent_uri)
-    tok = CharTokenizer.load(folder)
+    tok = TextTokenizer.load(folder, cfg.markers)
     model = HybridLM.from_pretrained(folder).to(device)
     exclude = _exclude(cfg)
     acc = ImportanceAccumulator()
@@ -179,6 +199,7 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
 
     from components.storage import materialize
     from model.elastic.depth import depth_ranking
+    from model.elastic.export import tokenizer_files
     from model.elastic.permute import apply_rankings
     from model.hybrid import HybridLM
 
@@ -187,8 +208,9 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     parent_dir = materialize(config.parent_uri)
-    tok = CharTokenizer.load(parent_dir)
     model = HybridLM.from_pretrained(parent_dir)
+    cal = config.calibration
+    tok = check_data(cal.data, parent_dir, cal.markers, model.config.vocab_size, "rank.calibration.data")
 
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -201,7 +223,6 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
         if started_ray:
             ray.shutdown()
 
-    cal = config.calibration
     exclude = _exclude(cal)
     depth, depth_s = None, 0.0
     if config.depth:
@@ -226,7 +247,7 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
 
     rankings_path = out / RANKINGS_FILE
     rankings_path.write_text(json.dumps(rankings.to_dict(), indent=1) + "\n")
-    extra = {name: parent_dir / name for name in (TOKENIZER_FILE, CONFIG_FILE) if (parent_dir / name).exists()}
+    extra = tokenizer_files(parent_dir)  # tokenizer, chat template and generation config travel on
     extra[RANKINGS_FILE] = rankings_path
     permuted = model.save_pretrained(out / "permuted", extra_files=extra)
     plot_path = plot_rankings(rankings, out / PLOT_FILE)

@@ -32,14 +32,14 @@ def ray_runtime():
 
 # ---------------------------------------------------------------------- serving
 def build_tiny_nested_checkpoint(out_dir, seed: int = 0):
-    """A tiny random nested checkpoint with three hand-chosen budgets and the character tokenizer.
+    """A tiny random nested checkpoint with three hand-chosen budgets and the demo character tokenizer.
 
     Returns the checkpoint folder. Budgets (largest first): ``full``; ``medium`` (hidden, expert
     width and expert count shrink); ``small`` (also Mamba heads and the shared expert).
     """
     from pathlib import Path
 
-    from components.data.tokenizer import CharTokenizer
+    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer, tokenizer_files
     from model.config import HybridConfig
     from model.elastic import Architecture, ElasticSpace, count_params
     from model.elastic.budgets import BudgetSet
@@ -47,7 +47,7 @@ def build_tiny_nested_checkpoint(out_dir, seed: int = 0):
     from model.hybrid import HybridLM
 
     out = Path(out_dir)
-    tok = CharTokenizer()
+    tok = TextTokenizer(build_demo_tokenizer())
     cfg = HybridConfig(
         vocab_size=tok.vocab_size, hidden_size=32, pattern="M*ME-E", num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
@@ -63,8 +63,7 @@ def build_tiny_nested_checkpoint(out_dir, seed: int = 0):
     model = HybridLM(cfg).init_weights(seed).eval()
     full = count_params(cfg).active
     budgets = BudgetSet.of({n: round(count_params(cfg, a).active / full, 4) for n, a in archs.items()})
-    tok_dir = tok.save(out / "tokenizer")
-    files = [tok_dir / "tokenizer.json", tok_dir / "tokenizer_config.json"]
+    files = tokenizer_files(tok.save(out / "tokenizer"))  # tokenizer.json, its config, the chat template
     return export_nested(model, archs, budgets, space, out / "nested", extra_files=files)
 
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 import components.distill.stage as stage
-from components.data import CharTokenizer, ProblemConfig, make_batch
+from components.data import TextTokenizer, build_demo_tokenizer, make_data_batch
 from components.distill import DistillConfig, run_distill, run_export
 from components.tracking import MlflowTracker
 from model.config import HybridConfig
@@ -36,7 +36,7 @@ SPACE = {"hidden": [32, 24, 16], "mamba_heads": [4, 2], "moe_ffn": [16, 8], "exp
 def parent_dir(tmp_path_factory) -> Path:
     """A randomly initialised tiny parent (every layer kind) with the character tokenizer beside it."""
     root = tmp_path_factory.mktemp("parent")
-    tok = CharTokenizer()
+    tok = TextTokenizer(build_demo_tokenizer())
     tok_dir = tok.save(root / "tok")
     model = HybridLM(HybridConfig(**{**TINY, "vocab_size": tok.vocab_size})).init_weights(0)
     return model.save_pretrained(root / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
@@ -49,7 +49,7 @@ def base_config(parent: Path, out: Path, **changes) -> dict:
         "output_dir": str(out),
         "space": SPACE,
         "budgets": BUDGETS,
-        "data": ProblemConfig(max_steps=3),
+        "data": {"sources": [{"type": "generator", "max_steps": 3}]},
         "steps": 6,
         "micro_batch_size": 4,
         "seq_len": 64,
@@ -84,7 +84,8 @@ def test_phase1_records_kd_and_writes_checkpoint(phase1, parent_dir):
     # the output folder: student (nemotron_h), router, tokenizer, summary, history
     student = HybridLM.from_pretrained(folder)
     assert student.config == HybridLM.from_pretrained(parent_dir).config
-    assert CharTokenizer.load(folder).vocab_size == student.config.vocab_size
+    assert TextTokenizer.load(folder).vocab_size <= student.config.vocab_size
+    assert (folder / "chat_template.jinja").is_file()  # the chat template travels with the student
     assert set(load_file(str(folder / "router.safetensors")))
     summary = json.loads((folder / "distill.json").read_text())
     assert set(summary["architectures"]) == {"full", "mid", "small"}
@@ -162,7 +163,7 @@ def test_phase2_starts_from_phase1_and_exports(phase1, parent_dir, tmp_path, s3_
             storage_path="s3://test-bucket/distill",
         )
     )
-    assert cfg.packed and cfg.sampling_probs == [0.5, 0.3, 0.2]
+    assert cfg.sampling_probs == [0.5, 0.3, 0.2]
     out = run_distill(cfg)
     assert out.ray_checkpoint.startswith("test-bucket/distill/distill-phase2-")
     assert out.ray_checkpoint.endswith("/step_00000003")
@@ -226,7 +227,7 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
     cfg = DistillConfig(**base_config(parent_dir, tmp_path / "o", zero_stage=zero_stage, bf16=bf16, micro_batch_size=2))
     dtype = torch.bfloat16 if bf16 else torch.float32
     teacher = HybridLM.from_pretrained(parent_dir).requires_grad_(False).to(dtype)
-    tok = CharTokenizer.load(parent_dir)
+    tok = TextTokenizer.load(parent_dir)
     full = count_params(teacher.config).active
 
     def engine(student_sd=None, router_sd=None):
@@ -240,7 +241,7 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
         return deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, 1))[0]
 
     def step(eng, i: int) -> float:
-        batch = make_batch(cfg.data, tok, 2, 32, 0, i)
+        batch = make_data_batch(cfg.data, tok, batch_size=2, seq_len=32, seed=0, phase="resume", step=i)
         loss, *_ = elastic_loss(
             eng, teacher, batch.input_ids, batch.loss_mask, cfg.budget_set, i % 3, i, 8,
             router_generator(0, 1, i), 1.0, full, cfg.space,

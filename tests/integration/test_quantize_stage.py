@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from components.data.tokenizer import CharTokenizer
+from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
 from components.quantize import QuantizeConfig, run_quantize
 from components.tracking import NullTracker
 from model.elastic import hard_mask
@@ -50,9 +50,10 @@ def _one_thread():
 @pytest.fixture
 def nested(tmp_path) -> Path:
     """A tiny nested checkpoint with the project's tokenizer beside it (so calibration uses real problems)."""
-    tok_dir = CharTokenizer().save(tmp_path / "tok")
+    tok = TextTokenizer(build_demo_tokenizer())
+    tok_dir = tok.save(tmp_path / "tok")
     files = {p.name: p for p in tok_dir.iterdir()}
-    return build_nested(tmp_path / "nested", vocab_size=CharTokenizer().vocab_size, extra_files=files)
+    return build_nested(tmp_path / "nested", vocab_size=tok.vocab_size, extra_files=files)
 
 
 def agreement_evaluator(reference_dir: Path):

@@ -7,8 +7,7 @@ import json
 import pytest
 import torch
 
-from components.data import ProblemConfig
-from components.data.tokenizer import CharTokenizer
+from components.data import DataConfig, GeneratorSource, TextTokenizer, build_demo_tokenizer
 from components.rank import CalibrationConfig, RankConfig, run_rank
 from components.tracking import MlflowTracker
 from model.config import HybridConfig
@@ -44,7 +43,7 @@ def _one_thread():
 @pytest.fixture
 def parent_dir(tmp_path):
     """A randomly initialised tiny parent with the demo tokenizer beside it (the layout the stage expects)."""
-    tok = CharTokenizer()
+    tok = TextTokenizer(build_demo_tokenizer())
     cfg = HybridConfig(**{**TINY, "vocab_size": tok.vocab_size, "n_routed_experts": 6})
     model = HybridLM(cfg).init_weights(3)
     with torch.no_grad():  # random norms and bias so a permutation slip would show in the logits
@@ -64,7 +63,11 @@ def test_rank_stage_end_to_end(ray_runtime, parent_dir, tmp_path):
         parent_uri=str(parent_dir),
         output_dir=str(tmp_path / "rank"),
         calibration=CalibrationConfig(
-            num_samples=16, seq_len=48, batch_size=4, problem=ProblemConfig(max_steps=4), exclude_eval_per_level=5
+            num_samples=16,
+            seq_len=48,
+            batch_size=4,
+            data=DataConfig(sources=[GeneratorSource(max_steps=4)], pack=True),
+            exclude_eval_per_level=5,
         ),
         depth=True,
         depth_batches=1,
@@ -79,10 +82,10 @@ def test_rank_stage_end_to_end(ray_runtime, parent_dir, tmp_path):
     assert rankings.num_sequences == 16 and rankings.depth is not None
     with open(out.plot_uri, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert {"tokenizer.json", "tokenizer_config.json", "rankings.json"} <= {
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "rankings.json"} <= {
         p.name for p in parent_dir.parent.glob("rank/permuted/*")
     }
-    CharTokenizer.load(out.permuted_uri)  # the tokenizer travels with the checkpoint
+    TextTokenizer.load(out.permuted_uri)  # the tokenizer travels with the checkpoint
     assert out.metrics["calibration_tokens"] == 16 * 48
     assert out.metrics["permute_max_abs_logit_diff"] <= 1e-5
 
