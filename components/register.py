@@ -1,22 +1,45 @@
 """Register the nested checkpoint in the MLflow model registry and gate its promotion.
 
-One model version per pipeline execution, carrying tags per budget (architecture,
-total/active parameters, accuracy, formats). A promotion gate from config decides
-whether the version takes the ``champion`` alias: every budget must reach its
-minimum accuracy, and none may regress by more than ``max_regression`` against
-the current champion's recorded accuracy. A failing gate leaves the alias where
-it was and records why (tag ``promotion``). Aliases, never the deprecated stages.
+Every format of one pipeline execution (the dense nested checkpoint, and the FP8 / NVFP4 ones the
+quantize stage writes) is logged as an MLflow pyfunc model (:mod:`components.mlflow_model`: the
+checkpoint inside, a ``predict`` that answers chat and completion requests on any budget) and
+becomes one version of the registered model. Each version carries tags a deployment can select by:
+
+* ``format`` (``dense``, ``fp8``, ``nvfp4``), ``formats`` (the family, e.g. ``dense,fp8,nvfp4``) and
+  ``version.<format>`` (the version number of each sibling);
+* ``budgets`` (names, largest first) and per budget ``budget.<name>.architecture``, ``.total_params``,
+  ``.active_params``, ``.fraction`` (and ``.accuracy`` on the dense version, which was evaluated);
+* ``promotion`` (``promoted`` or ``rejected: <reasons>``) and ``checkpoint_uri``.
+
+A promotion gate from config decides whether the family takes the alias (``champion``): every
+budget must reach its minimum accuracy, and none may regress by more than ``max_regression``
+against the current champion's recorded accuracy. Promotion moves ``<alias>`` to the dense version
+and ``<alias>-<format>`` (e.g. ``champion-fp8``) to each quantized one, and drops a
+``<alias>-<format>`` the new family lacks; a failing gate moves nothing and records why. Aliases,
+never the deprecated stages.
+
+``models:/NAME@alias`` and ``models:/NAME/VERSION`` resolve against ``MLFLOW_TRACKING_URI`` or, when
+it is unset, the pipeline's own store (``sqlite:///runs/mlflow.db``), which must exist: resolution
+never creates a store.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.tracking import MlflowTracker, Tracker
+
+if TYPE_CHECKING:
+    from mlflow.entities.model_registry import ModelVersion
+
+BASE_FORMAT = "dense"
+"""Format name of the nested checkpoint as exported (quantized ones are named by the quantize stage)."""
+QUANTIZED_FORMATS = ("fp8", "nvfp4")
 
 
 class PromotionGate(BaseModel):
@@ -38,8 +61,14 @@ class RegisterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = Field("star-elastic-demo", description="Registered model name.")
-    alias: str = Field("champion", description="Alias the gate moves.")
+    model_name: str = Field(
+        "star-elastic-demo",
+        pattern=r"^[^/:]*[^/:\s][^/:]*$",
+        description="Registered model name (not blank, no '/' or ':').",
+    )
+    alias: str = Field(
+        "champion", pattern=r"^[A-Za-z0-9_-]+$", description="Alias the gate moves (letters, digits, '_', '-')."
+    )
     checkpoint_uri: str = Field(description="The nested checkpoint folder to register.")
     budgets: list[dict[str, Any]] = Field(
         default_factory=list, description="Per budget: name, architecture, total_params, active_params, accuracy."
@@ -80,53 +109,186 @@ def _champion_accuracy(client, name: str, alias: str) -> tuple[str | None, dict[
     return mv.version, acc
 
 
+def version_tags(cfg: RegisterConfig, fmt: str, versions: dict[str, str], promotion: str) -> dict[str, str]:
+    """The tags of the ``fmt`` version of a family whose versions are ``versions`` (format -> version)."""
+    tags = {
+        "format": fmt,
+        "formats": ",".join(versions),
+        "checkpoint_uri": str(cfg.checkpoint_uri if fmt == BASE_FORMAT else cfg.formats[fmt]),
+        "budgets": ",".join(b["name"] for b in cfg.budgets),
+        "promotion": promotion,
+    }
+    tags.update({f"version.{f}": v for f, v in versions.items()})
+    for b in cfg.budgets:
+        prefix = f"budget.{b['name']}"
+        tags[f"{prefix}.architecture"] = json.dumps(b.get("architecture", {}), sort_keys=True)
+        # accuracy was measured on the dense checkpoint only; the quantize stage reports each format's recovery
+        keys = ("total_params", "active_params", "fraction") + (("accuracy",) if fmt == BASE_FORMAT else ())
+        for key in keys:
+            if b.get(key) is not None:
+                tags[f"{prefix}.{key}"] = str(b[key])
+    return tags
+
+
+def _move_aliases(client, cfg: RegisterConfig, versions: dict[str, str]) -> dict[str, str]:
+    """Point ``alias`` and ``alias-<format>`` at the family; drop ``alias-<format>`` for formats it lacks."""
+    aliases = {(cfg.alias if fmt == BASE_FORMAT else f"{cfg.alias}-{fmt}"): v for fmt, v in versions.items()}
+    for alias, version in aliases.items():
+        client.set_registered_model_alias(cfg.model_name, alias, version)
+    existing = client.get_registered_model(cfg.model_name).aliases
+    for fmt in QUANTIZED_FORMATS:
+        stale = f"{cfg.alias}-{fmt}"
+        if fmt not in versions and stale in existing:
+            client.delete_registered_model_alias(cfg.model_name, stale)
+    return aliases
+
+
 def run_register(cfg: RegisterConfig, tracker: Tracker) -> dict[str, Any]:
-    """Log the checkpoint, create a model version with per-budget tags, apply the promotion gate."""
+    """Log every format as a pyfunc model, create a tagged version of each, apply the promotion gate."""
+    from components.mlflow_model import log_nested_model
+
     if not isinstance(tracker, MlflowTracker):
         return {"registered": False, "reason": "tracking is off: nothing to register"}
     client = tracker.client
-    tracker.log_artifact(cfg.checkpoint_uri, "model")
-    for fmt, path in cfg.formats.items():
-        tracker.log_artifact(path, f"model-{fmt}")
     try:
         client.get_registered_model(cfg.model_name)
     except Exception:
         client.create_registered_model(cfg.model_name, description="Nested elastic family in one checkpoint.")
     champion_version, champion_acc = _champion_accuracy(client, cfg.model_name, cfg.alias)
-    source = f"runs:/{tracker.run_id}/model"
-    mv = client.create_model_version(cfg.model_name, source, run_id=tracker.run_id)
-    tags: dict[str, str] = {"checkpoint_uri": str(cfg.checkpoint_uri), "formats": ",".join(["bf16", *cfg.formats])}
-    for b in cfg.budgets:
-        prefix = f"budget.{b['name']}"
-        tags[f"{prefix}.architecture"] = json.dumps(b.get("architecture", {}), sort_keys=True)
-        for key in ("total_params", "active_params", "accuracy", "fraction"):
-            if b.get(key) is not None:
-                tags[f"{prefix}.{key}"] = str(b[key])
+    family = {BASE_FORMAT: cfg.checkpoint_uri, **cfg.formats}
+    versions: dict[str, str] = {}
+    for fmt, folder in family.items():
+        info = log_nested_model(
+            folder,
+            tracking_uri=tracker.tracking_uri,
+            run_id=tracker.run_id,
+            experiment_id=tracker.experiment_id,
+            name="model" if fmt == BASE_FORMAT else f"model-{fmt}",
+        )
+        mv = client.create_model_version(
+            cfg.model_name, info.model_uri, run_id=tracker.run_id, model_id=info.model_id,
+            description=f"{fmt} weights; every budget in one checkpoint ({', '.join(b['name'] for b in cfg.budgets)})",
+        )  # fmt: skip
+        versions[fmt] = mv.version
     promote, reasons = gate_decision(cfg.budgets, champion_acc, cfg.gate)
-    tags["promotion"] = "promoted" if promote else "rejected: " + "; ".join(reasons)
-    for k, v in tags.items():
-        client.set_model_version_tag(cfg.model_name, mv.version, k, v)
-    if promote:
-        client.set_registered_model_alias(cfg.model_name, cfg.alias, mv.version)
+    promotion = "promoted" if promote else "rejected: " + "; ".join(reasons)
+    for fmt, version in versions.items():
+        for k, v in version_tags(cfg, fmt, versions, promotion).items():
+            client.set_model_version_tag(cfg.model_name, version, k, v)
+    aliases = _move_aliases(client, cfg, versions) if promote else {}
     tracker.log_metrics({"promoted": float(promote)})
-    tracker.set_tags({"model_version": mv.version, "promotion": tags["promotion"]})
+    tracker.set_tags(
+        {"model_version": versions[BASE_FORMAT], "promotion": promotion}
+        | {f"model_version.{fmt}": v for fmt, v in versions.items()}
+    )
     return {
         "registered": True,
         "model_name": cfg.model_name,
-        "version": mv.version,
+        "version": versions[BASE_FORMAT],
+        "versions": versions,
+        "aliases": aliases,
         "promoted": promote,
         "reasons": reasons,
         "previous_champion": champion_version,
-        "model_uri": f"models:/{cfg.model_name}/{mv.version}",
+        "model_uri": f"models:/{cfg.model_name}/{versions[BASE_FORMAT]}",
         "champion_uri": f"models:/{cfg.model_name}@{cfg.alias}",
     }
 
 
-def resolve_model_uri(uri: str, tracking_uri: str | None, dst: str | Path | None = None) -> Path:
-    """``models:/NAME@alias`` or ``models:/NAME/VERSION`` -> a local folder with the nested checkpoint."""
+# ---------------------------------------------------------------------- models:/ URIs
+def registry_tracking_uri(tracking_uri: str | None = None, runs_dir: str | Path = "runs") -> str:
+    """The store ``models:/`` URIs resolve in: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the
+    pipeline's default store ``sqlite:///<runs_dir>/mlflow.db`` (absolute), which must exist (MLflow would
+    otherwise create an empty database wherever the process runs)."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    db = Path(runs_dir).resolve() / "mlflow.db"
+    if not db.is_file():
+        raise FileNotFoundError(
+            f"no MLflow tracking store for models:/ URIs: MLFLOW_TRACKING_URI is unset and the pipeline's store {db} "
+            "does not exist (run the pipeline here first, or set MLFLOW_TRACKING_URI or serve.tracking_uri)"
+        )
+    return f"sqlite:///{db}"
+
+
+def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/NAME@ALIAS`` -> (NAME, ALIAS, None); ``models:/NAME/VERSION`` -> (NAME, None, VERSION)."""
+    rest = uri.removeprefix("models:/")
+    if not uri.startswith("models:/") or not rest:
+        raise ValueError(f"{uri!r}: not a models:/NAME@ALIAS or models:/NAME/VERSION URI")
+    if "@" in rest:
+        name, _, alias = rest.partition("@")
+        if name and alias and "/" not in alias:
+            return name, alias, None
+    elif rest.count("/") == 1:
+        name, _, version = rest.partition("/")
+        if name and (version.isdigit() or version == "latest"):
+            return name, None, version
+    raise ValueError(f"{uri!r}: not a models:/NAME@ALIAS or models:/NAME/VERSION URI")
+
+
+def find_model_version(uri: str, tracking_uri: str, fmt: str = "auto") -> ModelVersion:
+    """The registered version ``uri`` names, or its sibling holding ``fmt`` weights; one-line errors."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    name, alias, version = parse_models_uri(uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    try:
+        model = client.get_registered_model(name)
+    except MlflowException:
+        known = [m.name for m in client.search_registered_models(max_results=20)]
+        raise ValueError(f"{uri}: no registered model {name!r} at {tracking_uri}; it has {known}") from None
+    if alias is not None:
+        if alias not in model.aliases:
+            raise ValueError(
+                f"{uri}: registered model {name!r} has no alias {alias!r} (aliases: {model.aliases or 'none'}); "
+                "the promotion gate may have rejected every version (see each version's 'promotion' tag)"
+            )
+        version = model.aliases[alias]
+    elif version == "latest":
+        numbers = [int(v.version) for v in client.search_model_versions(f"name = '{name}'")]
+        if not numbers:
+            raise ValueError(f"{uri}: registered model {name!r} has no versions yet")
+        version = str(max(numbers))
+    try:
+        mv = client.get_model_version(name, version)
+    except MlflowException:
+        raise ValueError(f"{uri}: registered model {name!r} has no version {version}") from None
+    have = mv.tags.get("format", BASE_FORMAT)
+    if fmt in ("auto", have):
+        return mv
+    sibling = mv.tags.get(f"version.{fmt}")
+    if sibling is None:
+        raise ValueError(
+            f"{uri}: version {mv.version} has no {fmt} sibling; its family has formats "
+            f"{mv.tags.get('formats', have)} (serve.format)"
+        )
+    return client.get_model_version(name, sibling)
+
+
+def resolve_model_uri(uri: str, tracking_uri: str | None, dst: str | Path | None = None, fmt: str = "auto") -> Path:
+    """``models:/NAME@alias`` or ``models:/NAME/VERSION`` -> the local nested checkpoint folder of that version.
+
+    ``fmt`` other than ``auto`` takes the family's version holding that format (``fp8``, ``nvfp4``,
+    ``dense``). The model is downloaded under ``dst`` (``<dst>/<NAME>-v<VERSION>``; default: a temporary
+    folder) and the checkpoint folder inside it returned.
+    """
     import mlflow
 
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
-    local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst) if dst else None)
-    return Path(local)
+    from components.mlflow_model import checkpoint_folder
+
+    tracking_uri = registry_tracking_uri(tracking_uri)
+    mv = find_model_version(uri, tracking_uri, fmt)
+    target = None
+    if dst is not None:
+        target = Path(dst) / f"{mv.name}-v{mv.version}"
+        target.mkdir(parents=True, exist_ok=True)
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=f"models:/{mv.name}/{mv.version}",
+        dst_path=str(target) if target else None,
+        tracking_uri=tracking_uri,
+        registry_uri=tracking_uri,
+    )
+    return checkpoint_folder(local)

@@ -4,20 +4,31 @@ Stages receive a :class:`Tracker`; they never reach for a global MLflow run. The
 MLflow implementation talks through ``MlflowClient`` with explicit run ids, so a
 Ray worker can log into the run its driver created (pass ``tracking_uri`` and
 ``run_id``), and nested stage runs hang under one pipeline run.
+
+A tracker is a context manager: ``with tracker:`` ends its run FINISHED when the body returns and
+FAILED (with an ``error`` tag) when it raises, KILLED on Ctrl-C or SIGTERM (which Ray's driver turns
+into ``SystemExit``), so no failure leaves a run RUNNING. A run a local SQLite store tracks keeps its
+artifacts beside the database (``<folder of mlflow.db>/mlartifacts``), never in ``./mlruns`` under
+whatever folder the process happens to start in.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 _MAX_PARAM_LEN = 6000
+ARTIFACTS_DIR = "mlartifacts"
+"""Folder beside a local SQLite store that holds its runs' and models' artifacts."""
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -33,11 +44,79 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def default_artifact_location(tracking_uri: str) -> str | None:
+    """``<folder of the database>/mlartifacts`` for a SQLite file store; None (the server decides) otherwise.
+
+    ``sqlite:///runs/mlflow.db`` (relative to the working directory) -> ``<cwd>/runs/mlartifacts``;
+    ``sqlite:////abs/mlflow.db`` -> ``/abs/mlartifacts``; in-memory SQLite and other stores -> None.
+    """
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return None
+    path = tracking_uri[len(prefix) :].split("?", 1)[0]
+    if not path or path == ":memory:":
+        return None
+    return str(Path(path).resolve().parent / ARTIFACTS_DIR)
+
+
+def end_status(error: BaseException | None) -> str:
+    """The MLflow run status for a body that ended with ``error``: FINISHED, KILLED (Ctrl-C, SIGTERM) or FAILED."""
+    if error is None:
+        return "FINISHED"
+    return "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED"
+
+
+def git_commit(folder: str | Path | None = None) -> tuple[str, bool] | None:
+    """(commit, uncommitted changes?) of the git checkout holding ``folder`` (default: this project); None if none."""
+    where = str(folder or Path(__file__).resolve().parent)
+    try:
+        head = subprocess.run(
+            ["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout (e.g. an installed image)
+        return None
+    return head, bool(dirty)
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """sha256 of a config's canonical JSON (sorted keys): equal configs, equal hashes, whatever the YAML layout."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_tags(config: Mapping[str, Any]) -> dict[str, str]:
+    """Run tags that say what produced a run: the git commit (MLflow's own tag too), whether the checkout
+    had uncommitted changes, and the hash of the validated config."""
+    tags = {"config_sha256": config_hash(config)}
+    commit = git_commit()
+    if commit is not None:
+        tags.update(
+            {"git_commit": commit[0], "mlflow.source.git.commit": commit[0], "git_dirty": str(commit[1]).lower()}
+        )
+    return tags
+
+
 class Tracker:
     """The interface every stage logs through. This base class records nothing."""
 
     run_id: str | None = None
     tracking_uri: str | None = None
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        """End the run unless it was ended already: FINISHED, or FAILED / KILLED with the error."""
+        if not self.finished:
+            self.finish(end_status(error), f"{type(error).__name__}: {error}" if error is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` was called."""
+        return getattr(self, "_status", None) is not None
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Log (nested) params; nested keys are joined with dots."""
@@ -59,10 +138,11 @@ class Tracker:
 
     def finish(self, status: str = "FINISHED", error: str | None = None) -> None:
         """Close the run (``FAILED`` with an ``error`` tag when a stage failed)."""
+        self._status = status
 
     @contextmanager
     def child(self, name: str) -> Iterator[Tracker]:
-        """A nested run for one stage; marked FAILED (with the error) if the body raises."""
+        """A nested run for one stage; marked FAILED (KILLED on Ctrl-C / SIGTERM) with the error if the body raises."""
         yield NullTracker()
 
 
@@ -91,7 +171,8 @@ class MlflowTracker(Tracker):
         mlflow.set_tracking_uri(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
-            exp_id = self.client.create_experiment(experiment, artifact_location=artifact_location)
+            location = artifact_location or default_artifact_location(tracking_uri)
+            exp_id = self.client.create_experiment(experiment, artifact_location=location)
         else:
             exp_id = exp.experiment_id
         self.experiment_id = exp_id
@@ -146,16 +227,13 @@ class MlflowTracker(Tracker):
         if error:
             self.client.set_tag(self.run_id, "error", error[:5000])
         self.client.set_terminated(self.run_id, status=status)
+        self._status = status
 
     @contextmanager
     def child(self, name: str) -> Iterator[Tracker]:
         sub = MlflowTracker(self.tracking_uri, self.experiment, run_name=name, parent_run_id=self.run_id)
-        try:
+        with sub:
             yield sub
-        except BaseException as err:
-            sub.finish("FAILED", f"{type(err).__name__}: {err}")
-            raise
-        sub.finish("FINISHED")
 
 
 def make_tracker(tracking_uri: str | None, experiment: str, run_name: str | None = None) -> Tracker:

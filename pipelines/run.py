@@ -114,12 +114,13 @@ def run_pipeline(
     dry_run: bool = False,
     only: list[str] | None = None,
 ) -> int:
-    from components.tracking import MlflowTracker
+    from components.tracking import MlflowTracker, source_tags
 
     cfg = load_pipeline_config(config_path, overrides)
     runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
     plan = runner.plan(force_from)
     print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in plan))
+    runner.check_only(only, dict(plan))
     check_uris(cfg)
     if dry_run:
         return 0
@@ -132,23 +133,27 @@ def run_pipeline(
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     tracking_uri = cfg.resolved_tracking_uri()
     tracker = MlflowTracker(tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
-    tracker.log_artifact(config_path, "config")
-    _init_ray(cfg)
-    start = time.perf_counter()
-    try:
-        results = runner.run(tracker, force_from=force_from, only=only)
-    except StageFailed as err:
-        tracker.finish("FAILED", str(err))
-        print(f"\n{err}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")
-        return 1
-    outputs = {r.name: r.outputs for r in results}
-    rows = summary_rows(outputs)
-    table = format_table(rows)
-    (cfg.run_dir / "summary.json").write_text(json.dumps({"rows": rows, "stages": outputs}, indent=2, default=str))
-    tracker.log_artifact(cfg.run_dir / "summary.json")
-    tracker.log_metrics({"pipeline_seconds": time.perf_counter() - start})
-    tracker.finish()
+    # Whatever ends the run early (Ray failing to start, a bad --only, Ctrl-C, SIGTERM, which Ray's driver
+    # turns into SystemExit) ends the MLflow run FAILED or KILLED with the error, never leaves it RUNNING.
+    with tracker:
+        config = cfg.model_dump(mode="json", by_alias=True)
+        tracker.set_tags({**source_tags(config), "config_file": str(config_path), "run_dir": str(cfg.run_dir)})
+        tracker.log_params({"pipeline": config})
+        tracker.log_artifact(config_path, "config")
+        _init_ray(cfg)
+        start = time.perf_counter()
+        try:
+            results = runner.run(tracker, force_from=force_from, only=only)
+        except StageFailed as err:
+            tracker.finish("FAILED", str(err))
+            print(f"\n{err}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")
+            return 1
+        outputs = {r.name: r.outputs for r in results}
+        rows = summary_rows(outputs)
+        table = format_table(rows)
+        (cfg.run_dir / "summary.json").write_text(json.dumps({"rows": rows, "stages": outputs}, indent=2, default=str))
+        tracker.log_artifact(cfg.run_dir / "summary.json")
+        tracker.log_metrics({"pipeline_seconds": time.perf_counter() - start})
     print("\n" + table)
     if size_line(outputs):
         print(size_line(outputs))

@@ -169,6 +169,21 @@ class PipelineRunner:
             raise ValueError(f"--from {force_from!r}: unknown stage; stages are {names}")
         return set(names[names.index(force_from) :])
 
+    def check_only(self, only: list[str] | None, plan: dict[str, str]) -> None:
+        """Refuse ``--only`` stages that do not exist or whose inputs are not done (``plan``: from :meth:`plan`)."""
+        if only is None:
+            return
+        unknown = sorted(set(only) - set(plan))
+        if unknown:
+            raise ValueError(f"--only: unknown stages {unknown}; stages are {list(plan)}")
+        for spec in self.stages:
+            if spec.name in only:
+                missing = [d for d in spec.depends if plan[d] == "run" and d not in only]
+                if missing:
+                    raise ValueError(
+                        f"--only: stage {spec.name!r} needs {missing} done first (run them, or drop --only)"
+                    )
+
     def run(
         self,
         tracker: Tracker | None = None,
@@ -180,15 +195,7 @@ class PipelineRunner:
         configs = self.build_configs()
         keys = self.keys(configs)
         plan = dict(self.plan(force_from))
-        if only is not None:
-            unknown = sorted(set(only) - set(plan))
-            if unknown:
-                raise ValueError(f"unknown stages {unknown}; stages are {list(plan)}")
-            for spec in self.stages:
-                if spec.name in only:
-                    missing = [d for d in spec.depends if plan[d] == "run" and d not in only]
-                    if missing:
-                        raise ValueError(f"stage {spec.name!r} needs {missing} done first (run them, or drop --only)")
+        self.check_only(only, plan)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         results: list[StageResult] = []
         total = len(self.stages)

@@ -7,9 +7,7 @@ import torch
 
 from components.register import PromotionGate, RegisterConfig, gate_decision, resolve_model_uri, run_register
 from components.tracking import MlflowTracker
-from model.config import HybridConfig
 from model.hybrid import HybridLM
-from tests.conftest import TINY
 
 pytestmark = pytest.mark.integration
 
@@ -22,8 +20,8 @@ def _budgets(acc_full: float, acc_small: float) -> list[dict]:
     ]
 
 
-def test_register_and_gate(mlflow_server, tmp_path):
-    ck = HybridLM(HybridConfig(**TINY)).init_weights(0).save_pretrained(tmp_path / "ck")
+def test_register_and_gate(mlflow_server, tiny_nested_checkpoint, tmp_path):
+    ck = tiny_nested_checkpoint
     name = "gate-test"
     gate = PromotionGate(min_accuracy={"small": 0.3}, max_regression=0.05)
 
@@ -55,7 +53,7 @@ def test_register_and_gate(mlflow_server, tmp_path):
 
     local = resolve_model_uri(f"models:/{name}@champion", mlflow_server, tmp_path / "dl")
     loaded = HybridLM.from_pretrained(local)
-    ids = torch.randint(0, TINY["vocab_size"], (1, 6))
+    ids = torch.randint(0, 64, (1, 6))
     original = HybridLM.from_pretrained(ck)
     assert torch.equal(loaded(ids).logits, original(ids).logits)
 
