@@ -9,18 +9,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-
-import yaml
 
 
 def _load_yaml(path: str | None) -> dict:
-    if not path:
-        return {}
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise SystemExit(f"{path}: expected a mapping at the top level")
-    return data
+    """A YAML file's top-level mapping (``{}`` without a path); errors name the file and line."""
+    from pipelines.config import read_yaml
+
+    return read_yaml(path) if path else {}
 
 
 def _cmd_parent_train(args: argparse.Namespace) -> int:
@@ -28,7 +23,8 @@ def _cmd_parent_train(args: argparse.Namespace) -> int:
     from components.tracking import make_tracker
 
     raw = _load_yaml(args.config)
-    raw = raw.get("parent", raw)
+    if "parent" in raw:  # a pipeline YAML: its parent.train section
+        raw = dict((raw["parent"] or {}).get("train") or {})
     if args.out:
         raw["output_dir"] = args.out
     if args.steps:
@@ -43,11 +39,20 @@ def _cmd_parent_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_example_chat(args: argparse.Namespace) -> int:
+    from pipelines.example_assets import make_chat_example
+
+    print(json.dumps(make_chat_example(args.out, seed=args.seed), indent=2))
+    return 0
+
+
 def _cmd_rank(args: argparse.Namespace) -> int:
     """Rank and permute a parent: the pipeline's ``rank`` section (or a bare RankConfig mapping) + flags."""
+    from pydantic import ValidationError
+
     from components.rank import RankConfig, run_rank
     from components.tracking import make_tracker
-    from pipelines.config import apply_overrides
+    from pipelines.config import ConfigError, apply_overrides, describe
 
     raw = _load_yaml(args.config)
     if "rank" in raw or "run_name" in raw:  # a pipeline YAML: take its rank section
@@ -57,7 +62,10 @@ def _cmd_rank(args: argparse.Namespace) -> int:
     if args.out:
         raw["output_dir"] = args.out
     apply_overrides(raw, args.set or [])
-    cfg = RankConfig(**raw)
+    try:
+        cfg = RankConfig(**raw)
+    except ValidationError as err:  # one line per problem, like the pipeline's config
+        raise ConfigError(args.config or "rank", describe(err, model=RankConfig)) from None
     tracker = make_tracker(args.tracking_uri, "star-elastic-rank", run_name="rank")
     try:
         out = run_rank(cfg, tracker)
@@ -68,19 +76,42 @@ def _cmd_rank(args: argparse.Namespace) -> int:
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from model.elastic.export import extract_budget
+    """Any nested checkpoint the pipeline writes: dense (export) or FP8 / NVFP4 (quantize), local or s3://."""
+    from components.storage import materialize
 
-    out = extract_budget(args.checkpoint, args.budget, args.out)
-    print(f"wrote budget {args.budget!r} as a standalone nemotron_h checkpoint: {out}")
+    folder = materialize(args.checkpoint)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{args.checkpoint}: not a checkpoint folder (no config.json)")
+    algo = (json.loads(config.read_text(encoding="utf-8")).get("quantization_config") or {}).get("quant_algo")
+    if algo:  # the quantize stage's output: slice the quantized tensors, never requantize
+        from model.quant.nesting import extract_quantized_budget
+
+        out = extract_quantized_budget(folder, args.budget, args.out)
+        what = f"{algo} nemotron_h checkpoint"
+    else:
+        from model.elastic.export import extract_budget
+
+        out = extract_budget(folder, args.budget, args.out)
+        what = "nemotron_h checkpoint"
+    print(f"wrote budget {args.budget!r} as a standalone {what}: {out}")
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """Check everything first (one line per problem, exit 2); then print the plan (--dry-run) or run."""
+    from pipelines.preflight import dry_run, pipeline_problems, report
+
+    overrides = args.set or []
+    if args.dry_run:
+        return dry_run(args.config, overrides, args.only, args.from_stage)
+    _, problems = pipeline_problems(args.config, overrides, args.only, args.from_stage)
+    if problems:
+        report(problems)
+        return 2
     from pipelines.run import run_pipeline
 
-    return run_pipeline(
-        args.config, overrides=args.set or [], force_from=args.from_stage, dry_run=args.dry_run, only=args.only
-    )
+    return run_pipeline(args.config, overrides=overrides, force_from=args.from_stage, only=args.only)
 
 
 def _cmd_kfp_compile(args: argparse.Namespace) -> int:
@@ -97,9 +128,20 @@ def _cmd_kfp_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from components.serving.loading import preflight
+
+    preflight(args.model_uri, args.config)  # a broken local checkpoint is one line, before Ray starts
     from components.serving.app import serve_foreground
 
-    serve_foreground(args.model_uri, port=args.port, config=args.config, host=args.host)
+    config = args.config
+    if args.model_uri.startswith("models:/"):  # the pipeline's store by default; a bad URI fails here, before Ray
+        from components.register import find_model_version, registry_tracking_uri
+        from components.serving.config import load_config
+
+        config = load_config(args.config)
+        config = config.model_copy(update={"tracking_uri": registry_tracking_uri(config.tracking_uri)})
+        find_model_version(args.model_uri, config.tracking_uri, config.format)
+    serve_foreground(args.model_uri, port=args.port, config=config, host=args.host, check=False)
     return 0
 
 
@@ -107,15 +149,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    parent = sub.add_parser("parent", help="the demo parent model")
+    parent = sub.add_parser("parent", help="train a parent from scratch (the demo's, or on your tokenizer and data)")
     psub = parent.add_subparsers(dest="parent_command", required=True)
-    train = psub.add_parser("train", help="train the demo parent on the built-in reasoning task")
+    train = psub.add_parser("train", help="train a parent on the 'parent.train' tokenizer, data and eval set")
     train.add_argument("--config", help="YAML with a 'parent' section (or the section itself)")
     train.add_argument("--out", help="output checkpoint folder")
     train.add_argument("--steps", type=int, help="override the number of steps")
     train.add_argument("--threads", type=int, help="override the torch CPU thread count")
     train.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or off)")
     train.set_defaults(func=_cmd_parent_train)
+
+    example = sub.add_parser("example", help="make the inputs of a shipped example config")
+    esub = example.add_subparsers(dest="example_command", required=True)
+    echat = esub.add_parser("chat", help="BPE tokenizer, chat JSONL with reasoning, text rows, eval set")
+    echat.add_argument("--out", default="runs/chat-example/assets", help="output folder")
+    echat.add_argument("--seed", type=int, default=0, help="seed of the generated data")
+    echat.set_defaults(func=_cmd_example_chat)
 
     rank = sub.add_parser("rank", help="importance ranking (REAP for experts) and permutation of a parent")
     rank.add_argument("--config", help="pipeline YAML (its 'rank' section) or a YAML of RankConfig fields")
@@ -129,7 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/demo.yaml")
     run.add_argument("--from", dest="from_stage", help="force this stage and every later one to run again")
     run.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
-    run.add_argument("--dry-run", action="store_true", help="validate and print the plan; run nothing")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every section, the parent's architecture and the URIs, print the plan; run nothing "
+        "(exit 2 and one line per problem when something is wrong)",
+    )
     run.add_argument("--only", action="append", metavar="STAGE", help="run just this stage (its inputs must be done)")
     run.set_defaults(func=_cmd_run)
 
@@ -148,11 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve_p.add_argument("--config", help="serving YAML/JSON (or a pipeline YAML: its 'serve' section)")
     serve_p.set_defaults(func=_cmd_serve)
 
-    extract = sub.add_parser("extract", help="cut one budget out of a nested checkpoint (zero-shot)")
-    extract.add_argument("checkpoint", help="nested checkpoint folder")
+    extract = sub.add_parser(
+        "extract", help="cut one budget out of a nested checkpoint, dense or FP8 / NVFP4 (zero-shot, no requantizing)"
+    )
+    extract.add_argument("checkpoint", help="nested checkpoint folder (export or quantize output) or s3:// prefix")
     extract.add_argument("--budget", required=True, help="budget name (see config.json 'elastic')")
     extract.add_argument("--out", required=True, help="output folder for the standalone checkpoint")
     extract.set_defaults(func=_cmd_extract)
+
+    from pipelines.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -162,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:
-        print(f"star-elastic: error: {err}", file=sys.stderr)
+        for line in getattr(err, "problems", None) or [f"star-elastic: error: {err}"]:  # a ConfigError: its lines
+            print(line, file=sys.stderr)
         return 2
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.tracking import Tracker
-from pipelines.config import PipelineConfig
+from pipelines.config import ExportStageConfig, PipelineConfig
 from pipelines.runner import StageContext, StageSpec
 
 
@@ -41,7 +41,9 @@ def build_parent(ctx: StageContext) -> BaseModel:
     cfg: PipelineConfig = ctx.pipeline
     if cfg.parent.uri:
         return ParentStageConfig(uri=cfg.parent.uri)
-    train = cfg.parent.train.model_copy(update={"output_dir": str(_parent_dir(ctx))})
+    from components.parent import ParentTrainConfig
+
+    train = ParentTrainConfig(**cfg.parent.train.model_dump(), output_dir=str(_parent_dir(ctx)))
     return ParentStageConfig(train=train.model_dump())
 
 
@@ -73,7 +75,8 @@ def parent_uri(ctx: StageContext) -> str:
 def build_rank(ctx: StageContext) -> BaseModel:
     from components.rank import RankConfig
 
-    return RankConfig(parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve()), **ctx.pipeline.rank)
+    section = ctx.pipeline.rank.model_dump(exclude_unset=True)
+    return RankConfig(parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve()), **section)
 
 
 def run_rank_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
@@ -95,7 +98,7 @@ def _student_dir(ctx: StageContext, stage: str) -> str:
     return str((ctx.dir(stage) / "student").resolve())
 
 
-def _distill_config(ctx: StageContext, phase: int, section: dict[str, Any]) -> BaseModel:
+def _distill_config(ctx: StageContext, phase: int, section: BaseModel) -> BaseModel:
     from components.distill.config import DistillConfig
 
     cfg: PipelineConfig = ctx.pipeline
@@ -104,14 +107,14 @@ def _distill_config(ctx: StageContext, phase: int, section: dict[str, Any]) -> B
         "teacher_uri": str((ctx.dir("rank") / "permuted").resolve()),
         "output_dir": _student_dir(ctx, ctx.name),
         "space": cfg.elastic.space,
-        "budgets": cfg.elastic.budgets,
+        "budgets": [b.model_dump() for b in cfg.elastic.budgets],
         "experiment": cfg.experiment,
     }
     if phase == 2:
         base["init_from"] = _student_dir(ctx, "distill_phase1")
     if cfg.storage_uri:
         base["storage_path"] = f"{cfg.storage_uri.rstrip('/')}/{cfg.run_name}/ray/{ctx.name}"
-    return DistillConfig(**_merge(base, section))
+    return DistillConfig(**_merge(base, section.model_dump(exclude_unset=True)))
 
 
 def build_distill1(ctx: StageContext) -> BaseModel:
@@ -133,24 +136,11 @@ def run_distill_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> di
 
 
 # ---------------------------------------------------------------------- export
-class ExportStageConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    distill_dir: str = Field(description="The phase-2 output folder (student + router).")
-    output_dir: str = Field(description="Where the one nested checkpoint is written.")
-    allow_off_target: bool = Field(False, description="Export even if a budget misses its target (recorded).")
-    tolerance: float = Field(0.05, gt=0, lt=1, description="Relative tolerance on each budget's active params.")
-    select: Literal["argmax", "feasible"] = Field(
-        "argmax",
-        description="Architecture per budget: the router's argmax (the method), or 'feasible': the on-target "
-        "architecture nearest the argmax (for a router that saturated off target).",
-    )
-
-
 def build_export(ctx: StageContext) -> BaseModel:
     return ExportStageConfig(
         distill_dir=_student_dir(ctx, "distill_phase2"),
         output_dir=str((ctx.dir() / "nested").resolve()),
-        **ctx.pipeline.export,
+        **ctx.pipeline.export.model_dump(exclude_unset=True),
     )
 
 
@@ -181,7 +171,7 @@ def build_evaluate(ctx: StageContext) -> BaseModel:
     from components.evaluate import EvalConfig
 
     base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "threads": ctx.pipeline.threads}
-    return EvalConfig(**_merge(base, ctx.pipeline.evaluate))
+    return EvalConfig(**_merge(base, ctx.pipeline.evaluate.model_dump(exclude_unset=True)))
 
 
 def _per_budget(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -210,10 +200,11 @@ def build_quantize(ctx: StageContext) -> BaseModel:
     from components.quantize import QuantizeConfig
 
     # recovery needs accuracy per budget only: full thinking, no cap sweep, no elastic pairs
-    ev = {k: v for k, v in ctx.pipeline.evaluate.items() if k not in ("think_caps", "elastic_pairs")}
+    evaluate = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
+    ev = {k: v for k, v in evaluate.items() if k not in ("think_caps", "elastic_pairs")}
     ev.update({"think_caps": [None], "elastic_pairs": [], "carry_state_compare": False, "progress": False})
     base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "evaluate": ev}
-    return QuantizeConfig(**_merge(base, ctx.pipeline.quantize))
+    return QuantizeConfig(**_merge(base, ctx.pipeline.quantize.model_dump(exclude_unset=True)))
 
 
 def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
@@ -231,8 +222,8 @@ def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
 def build_register(ctx: StageContext) -> BaseModel:
     from components.register import RegisterConfig
 
-    reg = ctx.pipeline.registry
-    return RegisterConfig(model_name=reg.model_name, alias=reg.alias, gate=reg.gate, checkpoint_uri=_nested_dir(ctx))
+    section = ctx.pipeline.registry.model_dump(exclude_unset=True)
+    return RegisterConfig(checkpoint_uri=_nested_dir(ctx), **section)
 
 
 def run_register_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:

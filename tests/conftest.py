@@ -1,11 +1,36 @@
-"""Shared fixtures: tiny configs with every layer kind, built in memory."""
+"""Shared fixtures: tiny configs with every layer kind, built in memory; where the schema files are."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from model.config import HybridConfig
+
+SCHEMAS_ENV = "STAR_ELASTIC_SCHEMAS"
+"""Environment variable naming the folder of schema sets (``kuberay/`` with the KubeRay CRDs)."""
+DEFAULT_SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "schemas"
+"""Where the schema sets are when the variable is unset: ``shared/schemas`` beside the repository."""
+
+
+def schema_dir(name: str) -> Path:
+    """The folder of the schema set ``name`` (e.g. ``kuberay``).
+
+    Unset variable and no folder at the default place (a bare clone): the calling test is skipped,
+    with the reason in one line. Variable set (as CI does) but no folder there: the test fails, so a
+    misconfigured CI can never skip the schema checks silently.
+    """
+    configured = os.environ.get(SCHEMAS_ENV)
+    folder = Path(configured or DEFAULT_SCHEMAS) / name
+    if folder.is_dir():
+        return folder
+    if configured:
+        pytest.fail(f"{SCHEMAS_ENV}={configured}: no {name}/ folder there", pytrace=False)
+    pytest.skip(f"{name} schemas absent ({folder}); set {SCHEMAS_ENV} to a folder holding {name}/")
+
 
 TINY = dict(
     vocab_size=64,

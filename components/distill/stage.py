@@ -36,7 +36,13 @@ from pydantic import BaseModel, Field
 from safetensors.torch import load_file
 
 from components.distill import ckpt
-from components.distill.config import DistillConfig, preflight, to_worker_dict, with_run_name
+from components.distill.config import (
+    DistillConfig,
+    preflight,
+    to_worker_dict,
+    with_router_schedule,
+    with_run_name,
+)
 from components.tracking import NullTracker, Tracker
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
@@ -75,7 +81,7 @@ def _with_tracking(config: DistillConfig, tracker: Tracker) -> DistillConfig:
 
 def build_trainer(config: DistillConfig):
     """The ``TorchTrainer`` of one phase (not started)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from components.distill.worker import train_loop_per_worker
@@ -91,6 +97,10 @@ def build_trainer(config: DistillConfig):
             storage_filesystem=filesystem,
             failure_config=FailureConfig(max_failures=config.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
+            # Inside a Ray worker sys.stdout is Ray's wrapper, so Ray Train's print patch writes every print
+            # twice (the print itself, then a log record of it); and its INFO lines repeat on every rank.
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )
 
@@ -151,7 +161,7 @@ def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> Distil
 
     tracker = tracker or NullTracker()
     model_config = preflight(config)  # raises before any worker starts
-    config = with_run_name(_with_tracking(config, tracker))
+    config = with_run_name(with_router_schedule(_with_tracking(config, tracker)))  # phase 2 continues the anneal
     started = time.perf_counter()
     result = build_trainer(config).fit()
     if result.checkpoint is None:

@@ -60,7 +60,7 @@ def test_compiled_pipeline_runs_locally(tmp_path: Path) -> None:
             {
                 "run_name": "kfp-local",
                 "runs_dir": str(tmp_path / "runs"),
-                "elastic": {"space": {}, "budgets": [{"name": "full", "fraction": 1.0}]},
+                "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "fraction": 1.0}]},
             }
         )
     )
@@ -103,7 +103,7 @@ def test_stages_move_between_machines_through_s3(tmp_path: Path, s3_server: str)
                 "run_name": "s3",
                 "runs_dir": str(tmp_path / "runs"),
                 "storage_uri": "s3://test-bucket/kfp",
-                "elastic": {"space": {}, "budgets": [{"name": "full", "fraction": 1.0}]},
+                "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "fraction": 1.0}]},
             }
         )
     )

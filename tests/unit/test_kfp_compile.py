@@ -56,7 +56,7 @@ def _config(tmp_path: Path, **extra: Any) -> Path:
     data = {
         "run_name": "tiny",
         "runs_dir": str(tmp_path / "runs"),
-        "elastic": {"space": {}, "budgets": [{"name": "full", "fraction": 1.0}]},
+        "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "fraction": 1.0}]},
         **extra,
     }
     path = tmp_path / "config.yaml"

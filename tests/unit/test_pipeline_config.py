@@ -34,10 +34,16 @@ def test_every_problem_is_listed_by_field_path(tmp_path):
 
 
 def test_stage_section_errors_are_reported_before_running(tmp_path):
+    # sections are typed with the stage config classes: a bad field fails when the config is read
+    with pytest.raises(ValueError, match="(?s)distill_phase2.budget_probs: .*sum to 1"):
+        load_pipeline_config(
+            CONFIGS / "demo.yaml", [f"runs_dir={tmp_path}", "distill_phase2.budget_probs=[0.5, 0.6, 0.2]"]
+        )
+    # a cross-field check of the stage class fails when the stage configs are built, before any stage runs
     cfg = load_pipeline_config(
-        CONFIGS / "demo.yaml", [f"runs_dir={tmp_path}", "distill_phase2.budget_probs=[0.5, 0.6, 0.2]"]
+        CONFIGS / "demo.yaml", [f"runs_dir={tmp_path}", "distill_phase2.budget_probs=[0.5, 0.5]"]
     )
-    with pytest.raises(ValueError, match="(?s)distill_phase2.*budget_probs.*sum to 1"):
+    with pytest.raises(ValueError, match="(?s)distill_phase2.*budget_probs has 2 entries"):
         PipelineRunner(pipeline_stages(), cfg, cfg.run_dir).build_configs()
 
 

@@ -1,0 +1,188 @@
+"""Everything checked before a pipeline starts: ``star-elastic run`` and ``run --dry-run`` share it.
+
+Design choices:
+
+* Problems are collected, never raised one at a time, and each is one line ``yaml.path: message``
+  (a ``--set`` or ``--only`` problem names the flag), so a bad config is fixed in one edit.
+* After the config itself (:func:`pipelines.config.load_pipeline_config`) come, in order: every
+  stage's config built from its section (the stage class's cross-field checks, e.g. budget
+  probabilities against the budgets), the elastic space and budgets against the parent's
+  architecture (a local parent's ``config.json``, or ``parent.train.architecture`` when the parent
+  is trained here; an s3:// parent is checked by the rank stage, which reads it), the URIs, and the
+  stage names given to ``--only`` / ``--from``.
+* Nothing here starts Ray, opens MLflow or writes a file.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from model.config import HybridConfig
+from pipelines.config import FILLED, ConfigError, PipelineConfig, describe, load_pipeline_config
+from pipelines.runner import PipelineRunner, StageContext, StageSpec
+
+
+def _yaml_location(section: str, loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A stage-config error location -> its YAML location (a field filled from another path goes there)."""
+    source = FILLED.get(section, {}).get(loc[0]) if loc else None
+    if source is not None and source.split(".")[0] in PipelineConfig.model_fields:
+        return (*source.split("."), *loc[1:])
+    return (section, *loc)
+
+
+def _one_line(err: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+
+
+def stage_config_problems(cfg: PipelineConfig, stages: Sequence[StageSpec]) -> list[str]:
+    """Build every stage's config from its section; one line per problem, at its YAML path."""
+    problems: list[str] = []
+    for spec in stages:
+        try:
+            spec.build(StageContext(cfg, cfg.run_dir, spec.name))
+        except ValidationError as err:
+            problems += describe(err, relocate=functools.partial(_yaml_location, spec.name))
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            problems.append(f"{spec.name}: {_one_line(err)}")
+    if "evaluate" in cfg.quantize.model_fields_set and cfg.quantize.evaluate is not None:
+        from components.evaluate import EvalConfig
+
+        try:  # merged over the evaluate section when the stage runs: its keys are EvalConfig fields
+            EvalConfig(**{"checkpoint_uri": "-", "output_dir": "-", **cfg.quantize.evaluate})
+        except ValidationError as err:
+            problems += describe(err, ("quantize", "evaluate"), EvalConfig)
+    return problems
+
+
+def parent_architecture(cfg: PipelineConfig) -> tuple[HybridConfig | None, list[str]]:
+    """The parent's architecture when it can be known without downloading anything, and the problems met."""
+    from components.storage import check_reachable, is_s3
+
+    uri = cfg.parent.uri
+    if uri is None:
+        arch = cfg.parent.train.architecture
+        try:  # the vocabulary comes from the tokenizer at training time; no shape checked here depends on it
+            return HybridConfig(**{"vocab_size": 256, **arch}), []
+        except ValidationError as err:
+            return None, describe(err, ("parent", "train", "architecture"))
+    if is_s3(uri):
+        try:
+            check_reachable(uri)
+        except ValueError as err:
+            return None, [f"parent.uri: {err}"]
+        return None, []
+    folder = Path(uri)
+    if not folder.is_dir():
+        return None, [f"parent.uri: {uri} is not a folder (a nemotron_h checkpoint: config.json + safetensors)"]
+    if not (folder / "config.json").is_file():
+        return None, [f"parent.uri: {uri} has no config.json (a nemotron_h checkpoint?)"]
+    try:
+        return HybridConfig.from_json_file(folder / "config.json"), []
+    except (ValueError, TypeError) as err:
+        return None, [f"parent.uri: {folder / 'config.json'} is not a usable nemotron_h config ({_one_line(err)})"]
+
+
+def elastic_problems(cfg: PipelineConfig, parent: HybridConfig, reachability: bool = True) -> list[str]:
+    """The elastic space against the parent, one line per axis; then whether every budget is reachable."""
+    from model.elastic.budgets import BudgetSet
+    from model.elastic.space import ElasticSpace
+
+    space = cfg.elastic.space
+    problems = []
+    for axis in space.elastic_axes:
+        single = ElasticSpace(**{axis: space.choices(axis)}, nvfp4_aligned=space.nvfp4_aligned)
+        try:
+            single.validate_against(parent)
+        except ValueError as err:
+            parts = str(err).split(": ", 1)[-1].split("; ")  # "elastic space does not fit the model: a; b"
+            problems.append(f"elastic.space.{axis}: " + "; ".join(p.removeprefix(f"{axis}: ") for p in parts))
+    if problems or not reachability:
+        return problems
+    dead_zone = min(cfg.distill_phase1.dead_zone, cfg.distill_phase2.dead_zone)
+    try:
+        BudgetSet(budgets=cfg.elastic.budgets).check_reachable(parent, space, depth_order=None, dead_zone=dead_zone)
+    except ValueError as err:
+        problems.append(f"elastic.budgets: {err}")
+    return problems
+
+
+def uri_problems(cfg: PipelineConfig) -> list[str]:
+    """Folders and buckets the run writes to must be writable (a missing parent is reported with it)."""
+    from components.storage import check_reachable
+
+    problems = []
+    for path, uri in (("runs_dir", cfg.runs_dir), ("storage_uri", cfg.storage_uri)):
+        if uri:
+            try:
+                check_reachable(uri)
+            except ValueError as err:
+                problems.append(f"{path}: {err}")
+    return problems
+
+
+def stage_name_problems(stages: Sequence[StageSpec], only: Sequence[str] | None, force_from: str | None) -> list[str]:
+    names = [s.name for s in stages]
+    problems = [f"--only: unknown stage {s!r}; stages are {names}" for s in only or [] if s not in names]
+    if force_from is not None and force_from not in names:
+        problems.append(f"--from: unknown stage {force_from!r}; stages are {names}")
+    return problems
+
+
+def pipeline_problems(
+    config_path: str | Path,
+    overrides: Sequence[str] = (),
+    only: Sequence[str] | None = None,
+    force_from: str | None = None,
+    stages: Sequence[StageSpec] | None = None,
+) -> tuple[PipelineConfig | None, list[str]]:
+    """(the validated config or None, one line per problem); nothing is run or written."""
+    if stages is None:
+        from pipelines.stages import pipeline_stages
+
+        stages = pipeline_stages()
+    names = stage_name_problems(stages, only, force_from)
+    try:
+        cfg = load_pipeline_config(config_path, overrides)
+    except ConfigError as err:
+        return None, err.problems + names
+    problems = stage_config_problems(cfg, stages)
+    parent, found = parent_architecture(cfg)
+    problems += found
+    if parent is not None:
+        problems += elastic_problems(cfg, parent, reachability=cfg.parent.uri is not None)
+    problems += uri_problems(cfg)
+    return cfg, problems + names
+
+
+def report(problems: Sequence[str], stream: Any = None) -> None:
+    """Print one line per problem (stderr by default)."""
+    for line in problems:
+        print(line, file=stream or sys.stderr)
+
+
+def dry_run(
+    config_path: str | Path,
+    overrides: Sequence[str] = (),
+    only: Sequence[str] | None = None,
+    force_from: str | None = None,
+    stages: Sequence[StageSpec] | None = None,
+) -> int:
+    """``run --dry-run``: 0 and the plan on stdout, or 2 and one line per problem on stderr."""
+    cfg, problems = pipeline_problems(config_path, overrides, only, force_from, stages)
+    if problems or cfg is None:
+        report(problems)
+        return 2
+    if stages is None:
+        from pipelines.stages import pipeline_stages
+
+        stages = pipeline_stages()
+    plan = PipelineRunner(list(stages), cfg, cfg.run_dir).plan(force_from)
+    shown = [(name, what) for name, what in plan if only is None or name in only]
+    print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in shown))
+    return 0
