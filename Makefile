@@ -7,7 +7,7 @@ CONFIG ?= pipelines/configs/demo.yaml
 PORT   ?= 8000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast run serve bench lint format ui kfp parent clean
+.PHONY: install test test-fast run serve bench lint format ui kfp parent example clean
 
 install: $(STAMP)
 
@@ -46,11 +46,17 @@ format: install
 parent: install
 	$(BIN)/star-elastic parent train --out pipelines/assets/demo-parent
 
+# The bring-your-own example: make its inputs (tokenizer, chat/text JSONL, eval set), then run the
+# pipeline on them (the parent is trained first and written by transformers' save_pretrained).
+example: install
+	$(BIN)/star-elastic example chat --out runs/chat-example/assets
+	$(BIN)/star-elastic run pipelines/configs/chat-example.yaml
+
 kfp: install
 	$(BIN)/star-elastic kfp compile $(CONFIG) --out infra/kfp/demo-pipeline.yaml
 
 ui: install
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --port 5000
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --artifacts-destination runs/mlartifacts --port 5000
 
 clean:
-	rm -rf runs .pytest_cache .ruff_cache
+	rm -rf runs mlruns .pytest_cache .ruff_cache

@@ -33,6 +33,7 @@ from pydantic import (
     field_validator,
 )
 
+from components.data import DataConfig, ReasoningMarkers
 from components.distill.config import DistillConfig
 from components.evaluate import EvalConfig
 from components.parent import ParentTrainConfig
@@ -187,6 +188,17 @@ class PipelineConfig(BaseModel):
     )
     threads: int = Field(2, ge=1, description="torch CPU threads per process on the driver.")
     parent: ParentSection = Field(default_factory=ParentSection, description="The parent model.")
+    data: DataConfig | None = Field(
+        None,
+        description="Default data mixture of every stage that needs tokens (parent training, rank calibration, both "
+        "distillation phases, quantize calibration) unless its own section sets data; calibrations pack its rows. "
+        "null: each stage's own default (the built-in generator).",
+    )
+    markers: ReasoningMarkers | None = Field(
+        None,
+        description="Reasoning markers of the tokenizer for every stage and for serving, unless a section sets its "
+        "own; null: <think> / </think>.",
+    )
     elastic: ElasticSection = Field(description="Elastic axes and budgets.")
     rank: RankSection = Field(default_factory=RankSection, description="Rank stage (RankConfig fields).")
     distill_phase1: DistillSection = Field(

@@ -109,7 +109,8 @@ def chat_rows(n: int, seed: int, exclude: set[str]) -> Iterator[dict[str, Any]]:
             p = next(stream)
             messages.append({"role": "user", "content": question(p.prompt)})
             if rng.random() < 0.5:
-                messages.append({"role": "assistant", "reasoning_content": trace(p.reasoning), "content": final(p.answer)})
+                reply = {"role": "assistant", "reasoning_content": trace(p.reasoning), "content": final(p.answer)}
+                messages.append(reply)
             else:
                 inline = f"{THINK_OPEN}{trace(p.reasoning)}{THINK_CLOSE}{final(p.answer)}"
                 messages.append({"role": "assistant", "content": inline})
@@ -190,7 +191,12 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def make_chat_example(
-    out: str | Path, *, n_chat: int = 12000, n_text: int = 2000, n_eval_per_level: int = 50, vocab_size: int = 1280,
+    out: str | Path,
+    *,
+    n_chat: int = 12000,
+    n_text: int = 2000,
+    n_eval_per_level: int = 50,
+    vocab_size: int = 1280,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Write the example's tokenizer and data under ``out``; returns counts and paths.

@@ -126,6 +126,52 @@ def uri_problems(cfg: PipelineConfig) -> list[str]:
     return problems
 
 
+def _data_sections(cfg: PipelineConfig) -> list[tuple[str, Any]]:
+    """(YAML path, DataConfig) of every data section the config states."""
+    sections: list[tuple[str, Any]] = []
+    if cfg.data is not None:
+        sections.append(("data", cfg.data))
+    candidates = [
+        ("parent.train", cfg.parent.train),
+        ("rank.calibration", getattr(cfg.rank, "calibration", None)),
+        ("distill_phase1", cfg.distill_phase1),
+        ("distill_phase2", cfg.distill_phase2),
+        ("quantize.calibration", getattr(cfg.quantize, "calibration", None)),
+    ]
+    for path, section in candidates:
+        if section is not None and "data" in section.model_fields_set:
+            sections.append((f"{path}.data", section.data))
+    return sections
+
+
+def data_problems(cfg: PipelineConfig) -> list[str]:
+    """Every local file of every data section and evaluation set exists and has a known row layout.
+
+    ``s3://`` sources are checked by their schema only here (nothing is downloaded by a dry run); the
+    stages check them down to their rows before any worker starts.
+    """
+    from components.data.mixture import describe_data
+    from components.data.sources import DataConfig, FilesSource
+    from components.storage import is_s3
+
+    problems = []
+    for path, data in _data_sections(cfg):
+        local = [s for s in data.sources if not (isinstance(s, FilesSource) and any(is_s3(p) for p in s.paths))]
+        if not local:
+            continue
+        try:
+            describe_data(DataConfig(sources=local, cache_dir=data.cache_dir))
+        except (ValueError, FileNotFoundError) as err:
+            problems.append(f"{path}: {_one_line(err)}")
+    for i, eval_set in enumerate(getattr(cfg.evaluate, "eval_sets", None) or []):
+        if not is_s3(eval_set.path) and not Path(eval_set.path).is_file():
+            problems.append(f"evaluate.eval_sets[{i}].path: no such file {eval_set.path!r}")
+    train_eval = cfg.parent.train.eval if cfg.parent.uri is None else None
+    if train_eval is not None and not is_s3(train_eval.path) and not Path(train_eval.path).is_file():
+        problems.append(f"parent.train.eval.path: no such file {train_eval.path!r}")
+    return problems
+
+
 def stage_name_problems(stages: Sequence[StageSpec], only: Sequence[str] | None, force_from: str | None) -> list[str]:
     names = [s.name for s in stages]
     problems = [f"--only: unknown stage {s!r}; stages are {names}" for s in only or [] if s not in names]
@@ -157,6 +203,7 @@ def pipeline_problems(
     if parent is not None:
         problems += elastic_problems(cfg, parent, reachability=cfg.parent.uri is not None)
     problems += uri_problems(cfg)
+    problems += data_problems(cfg)
     return cfg, problems + names
 
 

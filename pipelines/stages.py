@@ -26,6 +26,20 @@ def _merge(base: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _inherit(cfg: PipelineConfig, section: dict[str, Any], *, calibration: bool = False) -> dict[str, Any]:
+    """``section`` with the pipeline's top-level ``data`` and ``markers`` filled in where it sets neither.
+
+    A calibration (rank, quantize) packs the rows: padding would dilute its statistics.
+    """
+    out = dict(section)
+    if cfg.data is not None and "data" not in out:
+        data = cfg.data.model_copy(update={"pack": True}) if calibration else cfg.data
+        out["data"] = data.model_dump(mode="json")
+    if cfg.markers is not None and "markers" not in out:
+        out["markers"] = cfg.markers.model_dump()
+    return out
+
+
 # ---------------------------------------------------------------------- parent
 class ParentStageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -43,7 +57,8 @@ def build_parent(ctx: StageContext) -> BaseModel:
         return ParentStageConfig(uri=cfg.parent.uri)
     from components.parent import ParentTrainConfig
 
-    train = ParentTrainConfig(**cfg.parent.train.model_dump(), output_dir=str(_parent_dir(ctx)))
+    section = _inherit(cfg, cfg.parent.train.model_dump(exclude_unset=True))
+    train = ParentTrainConfig(**section, output_dir=str(_parent_dir(ctx)))
     return ParentStageConfig(train=train.model_dump())
 
 
@@ -76,6 +91,7 @@ def build_rank(ctx: StageContext) -> BaseModel:
     from components.rank import RankConfig
 
     section = ctx.pipeline.rank.model_dump(exclude_unset=True)
+    section["calibration"] = _inherit(ctx.pipeline, section.get("calibration") or {}, calibration=True)
     return RankConfig(parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve()), **section)
 
 
@@ -114,7 +130,7 @@ def _distill_config(ctx: StageContext, phase: int, section: BaseModel) -> BaseMo
         base["init_from"] = _student_dir(ctx, "distill_phase1")
     if cfg.storage_uri:
         base["storage_path"] = f"{cfg.storage_uri.rstrip('/')}/{cfg.run_name}/ray/{ctx.name}"
-    return DistillConfig(**_merge(base, section.model_dump(exclude_unset=True)))
+    return DistillConfig(**_merge(base, _inherit(cfg, section.model_dump(exclude_unset=True))))
 
 
 def build_distill1(ctx: StageContext) -> BaseModel:
@@ -171,7 +187,10 @@ def build_evaluate(ctx: StageContext) -> BaseModel:
     from components.evaluate import EvalConfig
 
     base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "threads": ctx.pipeline.threads}
-    return EvalConfig(**_merge(base, ctx.pipeline.evaluate.model_dump(exclude_unset=True)))
+    section = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
+    if ctx.pipeline.markers is not None and "markers" not in section:
+        section["markers"] = ctx.pipeline.markers.model_dump()
+    return EvalConfig(**_merge(base, section))
 
 
 def _per_budget(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -204,7 +223,11 @@ def build_quantize(ctx: StageContext) -> BaseModel:
     ev = {k: v for k, v in evaluate.items() if k not in ("think_caps", "elastic_pairs")}
     ev.update({"think_caps": [None], "elastic_pairs": [], "carry_state_compare": False, "progress": False})
     base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "evaluate": ev}
-    return QuantizeConfig(**_merge(base, ctx.pipeline.quantize.model_dump(exclude_unset=True)))
+    section = ctx.pipeline.quantize.model_dump(exclude_unset=True)
+    section["calibration"] = _inherit(ctx.pipeline, section.get("calibration") or {}, calibration=True)
+    if ctx.pipeline.markers is not None:
+        ev.setdefault("markers", ctx.pipeline.markers.model_dump())
+    return QuantizeConfig(**_merge(base, section))
 
 
 def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
