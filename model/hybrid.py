@@ -25,7 +25,7 @@ from model.cache import HybridCache, empty_cache
 from model.config import HybridConfig
 from model.fastops import linear, rms_norm_rows
 from model.mamba import Mamba2Mixer
-from model.masks import LayerMask, ModelMask, active_fraction
+from model.masks import LayerMask, ModelMask, NormFraction, active_fraction
 from model.mlp import MLP
 from model.moe import MoE
 from model.norms import RMSNorm
@@ -70,7 +70,7 @@ class Block(nn.Module):
         index: int,
         use_cache: bool,
         hidden_mask: Tensor | None,
-        hidden_fraction: Tensor | None,
+        hidden_fraction: NormFraction | None,
         lmask: LayerMask | None,
     ) -> Tensor:
         """x: (batch, seq, hidden) -> same."""

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from model.cache import MambaCache
 from model.config import HybridConfig
 from model.fastops import linear, rms_norm_rows
+from model.masks import active_fraction
 from model.norms import GatedGroupRMSNorm
 from model.ssd import ssd_scan, ssd_step, ssd_step_inplace
 
@@ -288,6 +289,6 @@ class Mamba2Mixer(nn.Module):
         fraction = None
         if head_mask is not None:
             y = y * head_mask.to(y.dtype)[:, None]
-            fraction = head_mask.float().mean()
+            fraction = active_fraction(head_mask, self.n_groups)  # heads are group-major, the same k per group
         y = y.reshape(*y.shape[:-2], self.d_inner)
         return self.out_proj(self.norm(y, z, fraction))

@@ -7,14 +7,19 @@ values in [0, 1], non-increasing) for the budget router. Every field is optional
 
 Norm correction: a pre-norm over a vector whose fraction ``p`` of channels is
 alive must equal the norm of the sliced vector, which is
-``sqrt(p) * x / sqrt(mean_full(x^2) + eps * p)``. ``active_fraction`` gives the
-``p`` used by every norm (the mean of the mask, i.e. the expected fraction for a
-soft mask).
+``sqrt(p) * x / sqrt(mean_full(x^2) + eps * p)``. ``active_fraction`` gives what every
+norm needs: ``E[p]`` for the eps (the mean of the mask) and ``E[sqrt p]`` for the output
+scale. For a soft mask the two differ (``sqrt(E[p]) >= E[sqrt p]``); the router's mixture
+is a mixture of sliced models, each scaled by its own ``sqrt(p)``, so the output scale is
+the expectation of those. It is read off the mask itself: a mixture of prefix masks is
+non-increasing, and the drop from entry j-1 to entry j is the probability that exactly j
+entries are kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,9 +54,31 @@ class ModelMask:
         return self.layers[index] if index < len(self.layers) else None
 
 
-def active_fraction(mask: Tensor | None) -> Tensor | None:
-    """Fraction of alive channels ``p`` of a (possibly soft) mask: its mean. ``None`` for a full axis."""
-    return None if mask is None else mask.mean()
+class NormFraction(NamedTuple):
+    """What a masked norm needs: ``fraction`` = E[p] () scales eps, ``scale`` = E[sqrt p] () scales the output.
+
+    For a 0/1 mask both are exact: ``p`` and ``sqrt(p)``.
+    """
+
+    fraction: Tensor
+    scale: Tensor
+
+
+def active_fraction(mask: Tensor | None, groups: int = 1) -> NormFraction | None:
+    """E[p] and E[sqrt p] of the alive fraction ``p`` of a (possibly soft) mask; ``None`` for a full axis.
+
+    ``mask``: (n,), a 0/1 prefix mask or a mixture of prefix masks (values non-increasing), or, with
+    ``groups`` > 1, such a mask repeated per group (group-major, (groups * n_per_group,)). With
+    ``m[n] = 0``, ``P(p = j / n) = m[j - 1] - m[j]``, so ``E[sqrt p] = sum_j (m[j-1] - m[j]) sqrt(j / n)``
+    (differentiable in the mask). E[p] is the mean of the mask.
+    """
+    if mask is None:
+        return None
+    m = mask.float().reshape(groups, -1)  # (groups, n): the same prefix mixture in every group
+    n = m.shape[-1]
+    drop = m - torch.cat([m[:, 1:], m.new_zeros(groups, 1)], dim=-1)  # (groups, n): P(exactly j + 1 kept)
+    root = (torch.arange(1, n + 1, device=m.device, dtype=m.dtype) / n).sqrt()
+    return NormFraction(fraction=mask.mean(), scale=(drop * root).sum(-1).mean())
 
 
 def prefix_mask(size: int, keep: int, device: torch.device | None = None, dtype=torch.float32) -> Tensor:

@@ -88,8 +88,12 @@ class TopKRouter(nn.Module):
     def forward(self, x: Tensor, expert_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """x: (T, hidden) -> (indices (T, k) long, weights (T, k) float32).
 
-        ``expert_mask`` (E,): experts with mask 0 are never selected (their selection
-        score gets log(0) = -inf); a soft mask also scales the chosen weights.
+        ``expert_mask`` (E,) with values m in [0, 1] (a 0/1 prefix, or the router's mixture of
+        prefixes): selection runs on ``m * (scores + bias)`` and the weights are ``m * scores``,
+        renormalised over the selected experts after masking, so a partly masked expert is both
+        chosen less often and weighted less. Experts with ``m == 0`` are never selected (their
+        selection score is -inf): with a 0/1 mask this is exactly the router of the sliced model,
+        even where a kept expert's ``scores + bias`` is negative.
         """
         w, bias = self.weight, self.e_score_correction_bias
         if x.dtype == w.dtype == bias.dtype == torch.float32:  # no dtype round trips (a decode step is op-bound)
@@ -99,7 +103,9 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(x.float() @ w.float().t())
             choice = scores + bias.float()
         if expert_mask is not None:
-            choice = choice + torch.log(expert_mask.float().clamp_min(0.0))
+            m = expert_mask.float()
+            choice = torch.where(m > 0, m * choice, -torch.inf)
+            scores = scores * m
         if self.n_group > 1:
             t = choice.shape[0]
             grouped = choice.view(t, self.n_group, -1)
@@ -111,8 +117,6 @@ class TopKRouter(nn.Module):
         w = scores.gather(1, idx)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        if expert_mask is not None:
-            w = w * expert_mask.float()[idx]
         return idx, w * self.scaling if self.scaling != 1.0 else w  # x * 1.0 == x: skip the op
 
     def decode_mix(self, x: Tensor) -> Tensor:

@@ -6,13 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.masks import NormFraction
+
+
+def _fraction_terms(fraction: Tensor | NormFraction) -> tuple[Tensor, Tensor]:
+    """(eps factor E[p], output scale E[sqrt p]); a bare tensor p is a 0/1 mask's fraction: (p, sqrt p)."""
+    if isinstance(fraction, NormFraction):
+        return fraction.fraction, fraction.scale
+    return fraction, fraction.sqrt()
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)`` computed in float32, cast back to the input dtype.
 
     With ``fraction`` = p (the alive share of channels, the rest being exact zeros),
     the result equals the norm of the sliced vector: eps becomes ``eps * p`` and the
-    output is multiplied by ``sqrt(p)``.
+    output is multiplied by ``sqrt(p)``. A :class:`~model.masks.NormFraction` (a soft mask)
+    gives ``eps * E[p]`` and the output scale ``E[sqrt p]``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
@@ -20,7 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: Tensor, fraction: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, fraction: Tensor | NormFraction | None = None) -> Tensor:
         """x: (..., hidden) -> (..., hidden)."""
         if fraction is None and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # Same arithmetic in the same order (pow, mean, +eps, rsqrt, two products) through one call:
@@ -32,14 +42,16 @@ class RMSNorm(nn.Module):
         if fraction is None:
             h = h * torch.rsqrt(var + self.eps)
         else:
-            h = h * torch.rsqrt(var + self.eps * fraction) * fraction.sqrt()
+            p, scale = _fraction_terms(fraction)
+            h = h * torch.rsqrt(var + self.eps * p) * scale
         return (self.weight.float() * h).to(dtype)
 
 
 class GatedGroupRMSNorm(nn.Module):
     """Mamba2's gated norm: RMS-normalise ``y * silu(z)`` per group of ``group_size`` channels.
 
-    ``fraction`` is the alive share of heads in every group (the same k per group).
+    ``fraction`` is the alive share of heads in every group (the same k per group), or a
+    :class:`~model.masks.NormFraction` for a soft head mask (as in :class:`RMSNorm`).
     """
 
     def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-5) -> None:
@@ -48,7 +60,7 @@ class GatedGroupRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
-    def forward(self, y: Tensor, z: Tensor, fraction: Tensor | None = None) -> Tensor:
+    def forward(self, y: Tensor, z: Tensor, fraction: Tensor | NormFraction | None = None) -> Tensor:
         """y, z: (..., d_inner) -> (..., d_inner)."""
         dtype = y.dtype
         h = y.float() * F.silu(z.float())
@@ -60,5 +72,6 @@ class GatedGroupRMSNorm(nn.Module):
             h = F.rms_norm(h, (self.group_size,), None, self.eps)  # same arithmetic, fewer calls (RMSNorm)
         else:
             var = h.pow(2).mean(-1, keepdim=True)
-            h = h * torch.rsqrt(var + self.eps * fraction) * fraction.sqrt()
+            p, scale = _fraction_terms(fraction)
+            h = h * torch.rsqrt(var + self.eps * p) * scale
         return self.weight * h.view(shape).to(dtype)

@@ -230,8 +230,11 @@ def load_config(
             data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a serving config must be a mapping, got {type(data).__name__}")
-        if isinstance(data.get("serve"), dict):  # a pipeline config: take its serve section
-            data = dict(data["serve"])
+        if isinstance(data.get("serve"), dict) or "elastic" in data:  # a pipeline config: take its serve section
+            pipeline = data
+            data = dict(pipeline.get("serve") or {})
+            if isinstance(pipeline.get("markers"), dict):  # the pipeline's reasoning markers, unless serve sets its own
+                data.setdefault("markers", pipeline["markers"])
     data.update(overrides)
     return ServingConfig.model_validate(data)
 

@@ -7,8 +7,9 @@ Layout of a nested checkpoint (a normal ``nemotron_h`` folder, so any loader ope
 
       {"format_version": 1,
        "parent": {"total_params": ..., "active_params": ...},
-       "budgets": [{"name", "fraction", "architecture": {...}, "total_params", "active_params",
-                    "active_fraction", "standalone", ["warning"]}, ...],   # descending fraction
+       "budgets": [{"name", "fraction", "total_target", "active_target", "architecture": {...},
+                    "total_params", "active_params", "total_fraction", "active_fraction",
+                    "standalone", ["warning"], ["selection"]}, ...],   # largest first
        "space": {...ElasticSpace...},
        "depth_order": [...]}
 
@@ -20,10 +21,13 @@ Design choices:
   next to the architecture, because users size MoE models by active parameters and reading a
   config must not need the weights. :func:`extract_budget` re-checks the total against the
   extracted model, so an edited config cannot silently describe other weights.
-* Each budget's active fraction must lie within ``tolerance`` (relative, the budget loss's dead
-  zone) of its target. A router that missed a target is a failed run: export refuses, naming the
-  budget, unless ``allow_off_target=True``, which records a ``warning`` field in that entry so the
-  miss stays visible to every later reader.
+* Each budget's total and active fractions must lie within ``tolerance`` (relative, the budget
+  loss's dead zone) of the targets it states (``total_target`` / ``active_target``, null when not
+  stated; ``fraction`` is the budget's key, see :class:`~model.elastic.budgets.BudgetSet`). A
+  router that missed a target is a failed run: export refuses, naming the budget and the target,
+  unless ``allow_off_target=True``, which records a ``warning`` field in that entry so the miss
+  stays visible to every later reader. Files written before budgets had two targets have only
+  ``fraction``, read as the active target.
 * ``depth_order`` is stored resolved (the default order written out), so a reader never depends on
   the default convention of the code version that wrote the file.
 * ``standalone`` says whether the budget fits one ``nemotron_h`` config (per-layer sizes that
@@ -46,8 +50,8 @@ from typing import Any
 from model.checkpoint import CONFIG_NAME, CheckpointError
 from model.config import HybridConfig
 from model.elastic.arch import Architecture, check_depth_order
-from model.elastic.budgets import BudgetSet, UnknownBudgetError
-from model.elastic.params import count_params
+from model.elastic.budgets import Budget, BudgetSet, UnknownBudgetError
+from model.elastic.params import ParamCount, count_params
 from model.elastic.router import BudgetRouter
 from model.elastic.slicing import extract, extract_config
 from model.elastic.space import ElasticSpace
@@ -82,14 +86,30 @@ class BudgetInfo:
     warning: str | None = None
     selection: str | None = None
     """How the architecture was chosen when it is not the router's argmax (e.g. the argmax was off target)."""
+    total_fraction: float | None = None
+    """Total parameters over the parent's (None only in files written before it was recorded)."""
+    total_target: float | None = None
+    """The stated target fraction of the parent's total parameters (None: no total target)."""
+    active_target: float | None = None
+    """The stated target fraction of the parent's active parameters (None: no active target)."""
+
+    @property
+    def budget(self) -> Budget:
+        """The trained budget (its name and stated targets)."""
+        if self.total_target is None and self.active_target is None:
+            return Budget(name=self.name, active=self.fraction)
+        return Budget(name=self.name, total=self.total_target, active=self.active_target)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "name": self.name,
             "fraction": self.fraction,
+            "total_target": self.total_target,
+            "active_target": self.active_target,
             "architecture": self.architecture.to_dict(),
             "total_params": self.total_params,
             "active_params": self.active_params,
+            "total_fraction": self.total_fraction,
             "active_fraction": self.active_fraction,
             "standalone": self.standalone,
         }
@@ -125,7 +145,7 @@ class ElasticInfo:
 
     @property
     def budget_set(self) -> BudgetSet:
-        return BudgetSet.of({b.name: b.fraction for b in self.budgets})
+        return BudgetSet(budgets=[b.budget for b in self.budgets])
 
     @property
     def architectures(self) -> dict[str, Architecture]:
@@ -162,8 +182,8 @@ def _architectures(
     }
 
 
-def _as_map(budgets: BudgetSet) -> dict[str, float]:
-    return {b.name: b.fraction for b in budgets.budgets}
+def _as_map(budgets: BudgetSet) -> dict[str, dict[str, float]]:
+    return {b.name: b.targets for b in budgets.budgets}
 
 
 def describe_budgets(
@@ -176,26 +196,21 @@ def describe_budgets(
 ) -> tuple[list[BudgetInfo], list[str]]:
     """Counts and checks of every budget: (infos largest first, off-target problems, one line each).
 
-    Invalid architectures raise ``ValueError`` naming the budget; off-target ones are returned
-    as problems (and carry a ``warning``) so the caller decides.
+    Every stated target (total and / or active) is checked against ``tolerance``. Invalid
+    architectures raise ``ValueError`` naming the budget; off-target ones are returned as problems
+    (and carry a ``warning``) so the caller decides.
     """
-    full_active = count_params(config).active
+    full = count_params(config)
     infos, problems = [], []
-    for b in budgets.budgets:
+    for b, key in zip(budgets.budgets, budgets.fractions, strict=True):
         arch = archs[b.name]
         try:
             arch.validate(config, space, depth_order)
         except ValueError as err:
             raise ValueError(f"budget {b.name!r}: {err}") from None
         count = count_params(config, arch, depth_order)
-        frac = count.active / full_active
-        deviation = abs(frac / b.fraction - 1.0)
-        warning = None
-        if deviation > tolerance:
-            warning = (
-                f"active fraction {frac:.4f} is {100 * deviation:.1f}% off the target {b.fraction:.4f} "
-                f"(tolerance {100 * tolerance:g}%)"
-            )
+        warning = _off_target(b, count, full, tolerance)
+        if warning is not None:
             problems.append(f"budget {b.name!r}: {warning}")
         try:
             extract_config(config, arch, depth_order)
@@ -205,16 +220,33 @@ def describe_budgets(
         infos.append(
             BudgetInfo(
                 name=b.name,
-                fraction=b.fraction,
+                fraction=key,
                 architecture=arch,
                 total_params=count.total,
                 active_params=count.active,
-                active_fraction=frac,
+                active_fraction=count.active / full.active,
                 standalone=standalone,
                 warning=warning,
+                total_fraction=count.total / full.total,
+                total_target=b.total,
+                active_target=b.active,
             )
         )
     return infos, problems
+
+
+def _off_target(budget: Budget, count: ParamCount, full: ParamCount, tolerance: float) -> str | None:
+    """One line naming every stated target ``count`` misses by more than ``tolerance``; None if none."""
+    misses = []
+    for kind, deviation in budget.deviations(count, full).items():
+        if deviation > tolerance:
+            frac = getattr(count, kind) / getattr(full, kind)
+            target = budget.targets[kind]
+            misses.append(
+                f"{kind} fraction {frac:.4f} is {100 * deviation:.1f}% off the target {target:.4f} "
+                f"(tolerance {100 * tolerance:g}%)"
+            )
+    return "; ".join(misses) if misses else None
 
 
 def export_nested(
@@ -236,8 +268,8 @@ def export_nested(
     :meth:`BudgetRouter.feasible_arch`; a budget so chosen records the argmax it replaced) or
     ``{budget name: Architecture or dict}``. ``extra_files``: ``{name: source}`` or a list of
     sources (copied under their own names), e.g. the tokenizer. Raises ``ValueError`` naming every
-    budget whose active fraction is more than ``tolerance`` (relative) off its target, unless
-    ``allow_off_target``. The write is atomic (see :func:`model.checkpoint.save_model`).
+    budget whose total or active fraction is more than ``tolerance`` (relative) off a target it
+    states, unless ``allow_off_target``. The write is atomic (see :func:`model.checkpoint.save_model`).
     """
     config = model.config
     space.validate_against(config)
@@ -246,12 +278,15 @@ def export_nested(
     infos, problems = describe_budgets(config, archs, budgets, space, order, tolerance)
     if isinstance(router_or_archs, BudgetRouter) and select != "argmax":
         argmax = router_or_archs.architectures(budgets)
-        full_active = count_params(config).active
+        full = count_params(config)
         for i, info in enumerate(infos):
             a = argmax[info.name]
             if a != info.architecture:
-                frac = count_params(config, a, order).active / full_active
-                note = f"{select}: the router argmax {a.to_dict()} has active fraction {frac:.4f}"
+                c = count_params(config, a, order)
+                note = (
+                    f"{select}: the router argmax {a.to_dict()} has total fraction {c.total / full.total:.4f}, "
+                    f"active fraction {c.active / full.active:.4f}"
+                )
                 infos[i] = dataclasses.replace(info, selection=note)
     if problems and not allow_off_target:
         raise ValueError(
@@ -292,6 +327,9 @@ def read_elastic(path: str | Path) -> ElasticInfo:
         raise CheckpointError(f"{cfg_path}: elastic format_version {version} is not supported (expected 1)")
     try:
         config = HybridConfig.from_hf_dict(raw)
+        parent = section.get("parent") or {}
+        full = count_params(config)
+        parent_total = int(parent.get("total_params", full.total))
         budgets = [
             BudgetInfo(
                 name=b["name"],
@@ -303,13 +341,15 @@ def read_elastic(path: str | Path) -> ElasticInfo:
                 standalone=bool(b.get("standalone", True)),
                 warning=b.get("warning"),
                 selection=b.get("selection"),
+                total_fraction=float(b.get("total_fraction") or int(b["total_params"]) / parent_total),
+                total_target=_optional_float(b.get("total_target")),
+                # files from before two targets: "fraction" was the active target
+                active_target=_optional_float(b["active_target"] if "active_target" in b else b["fraction"]),
             )
             for b in section["budgets"]
         ]
         space = ElasticSpace.model_validate(section["space"])
         order = [int(i) for i in section["depth_order"]]
-        parent = section.get("parent") or {}
-        full = count_params(config)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{cfg_path}: malformed 'elastic' section: {err}") from None
     return ElasticInfo(
@@ -317,9 +357,13 @@ def read_elastic(path: str | Path) -> ElasticInfo:
         budgets=budgets,
         space=space,
         depth_order=order,
-        parent_total_params=int(parent.get("total_params", full.total)),
+        parent_total_params=parent_total,
         parent_active_params=int(parent.get("active_params", full.active)),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def tokenizer_files(folder: str | Path) -> dict[str, Path]:

@@ -9,14 +9,16 @@ Design choices:
   The mean runs over the masked tokens only, so padding and prompt tokens neither add loss nor
   dilute it; an all-zero mask gives a zero loss that still carries a graph.
 * ``budget_loss`` plugs the router's expected sizes ``E[k] = p . choices`` into the analytic
-  ACTIVE parameter count, ``N(E[config])`` (:func:`~model.elastic.params.expected_params`), and
-  penalises ``|N / (b * N_full) - 1|``. Inside the dead zone (``< dead_zone``) the loss and its
-  gradient are exactly 0, as the method specifies: budgets only need to land within it, and KD
-  alone then decides the architecture.
-* The full budget must become the parent itself; a budget loss cannot force that (any
-  architecture within the dead zone of 1.0 would do), so the full budget also gets
-  ``pin_weight * sum_axes MSE(p_axis, onehot(largest))``. For per-layer probabilities the MSE is
-  the mean over all rows and choices, so a per-layer axis weighs as much as a global one.
+  parameter counts, ``N(E[config])`` (:func:`~model.elastic.params.expected_params`), and
+  penalises ``|N / (b * N_full) - 1|`` once per target the budget states: on the TOTAL count for
+  a total target, on the ACTIVE count for an active target, summed. Inside the dead zone
+  (``< dead_zone``) a term and its gradient are exactly 0, as the method specifies: budgets only
+  need to land within it, and KD alone then decides the architecture.
+* The full budget must become the parent itself. Its terms have no dead zone (as in the
+  reference implementation: any deviation from the parent's size is penalised), and it also
+  gets ``pin_weight * sum_axes MSE(p_axis, onehot(largest))``, which keeps pulling once the
+  counts are met. For per-layer probabilities the MSE is the mean over all rows and choices, so
+  a per-layer axis weighs as much as a global one.
 * Counts run in float64 (exact integers up to 2**53); the returned loss has the probabilities'
   dtype so it adds to the KD loss without promoting it.
 """
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.config import HybridConfig
+from model.elastic.budgets import Budget
 from model.elastic.params import count_params, expected_params, expected_sizes
 from model.elastic.space import ElasticSpace
 
@@ -38,8 +41,10 @@ from model.elastic.space import ElasticSpace
 class BudgetLossOut(NamedTuple):
     """``loss`` () differentiable; ``expected_active`` / ``expected_total`` () float64 parameter counts.
 
-    ``ratio`` () is ``expected_active / (target * N_full_active)`` (1.0 = on target) and ``pin`` ()
-    the pinning term (0 for budgets other than the full one); both are for logging.
+    ``ratios[kind]`` () is ``expected_kind / (target_kind * N_full_kind)`` (1.0 = on target) for every
+    stated target, ``ratio`` the one of the budget's :attr:`~model.elastic.budgets.Budget.fraction`
+    (its active target, else its total target), and ``pin`` () the pinning term (0 for budgets
+    other than the full one); all are detached, for logging.
     """
 
     loss: Tensor
@@ -47,6 +52,7 @@ class BudgetLossOut(NamedTuple):
     expected_total: Tensor
     ratio: Tensor
     pin: Tensor
+    ratios: dict[str, Tensor]
 
 
 def kd_loss(student_logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None) -> Tensor:
@@ -92,39 +98,59 @@ def budget_loss(
     config: HybridConfig,
     space: ElasticSpace,
     probs: dict[str, Tensor],
-    target_fraction: float,
+    target: Budget | float,
     is_full: bool,
     dead_zone: float = 0.05,
     pin_weight: float = 10.0,
     depth_order: Sequence[int] | None = None,
     full_active: int | None = None,
+    full_total: int | None = None,
 ) -> BudgetLossOut:
-    """Budget loss of one router sample for a budget with target active fraction ``target_fraction``.
+    """Budget loss of one router sample for the budget ``target``.
 
-    ``probs[axis]``: (n_choices,) or (n_layers_of_kind, n_choices) distributions over the space's
-    candidates (a :class:`~model.elastic.router.RouterSample`'s ``probs``). ``full_active``: the
-    parent's active count, computed from ``config`` when None (pass it to skip the recount).
+    ``target``: a :class:`~model.elastic.budgets.Budget` (one term per stated target) or a float,
+    an active-parameter fraction. ``probs[axis]``: (n_choices,) or (n_layers_of_kind, n_choices)
+    distributions over the space's candidates (a :class:`~model.elastic.router.RouterSample`'s
+    ``probs``). ``full_active`` / ``full_total``: the parent's counts, computed from ``config``
+    when None (pass them to skip the recount). ``is_full``: the full budget (no dead zone, pinned).
     """
-    if not 0.0 < target_fraction <= 1.0:
-        raise ValueError(f"budget_loss: target_fraction must be in (0, 1], got {target_fraction}")
+    if isinstance(target, Budget):
+        targets = target.targets
+        primary = "active" if target.active is not None else "total"
+    else:
+        if not 0.0 < target <= 1.0:
+            raise ValueError(f"budget_loss: the target fraction must be in (0, 1], got {target}")
+        targets, primary = {"active": float(target)}, "active"
     if not probs:
         raise ValueError("budget_loss: no probabilities (the space has no elastic axis the router covers)")
     dtype = next(iter(probs.values())).dtype
-    n_full = full_active if full_active is not None else count_params(config).active
+    if full_active is None or full_total is None:
+        full = count_params(config)
+        full_active = full.active if full_active is None else full_active
+        full_total = full.total if full_total is None else full_total
+    n_full = {"active": full_active, "total": full_total}
     # expected_sizes gives () per global axis and (n_layers_of_kind,) per per-layer axis
     expected = expected_sizes(space, {axis: p.double() for axis, p in probs.items()})
     total, active = expected_params(config, expected, depth_order)
-    ratio = active / (target_fraction * n_full)
-    deviation = (ratio - 1.0).abs()
-    loss = torch.where(deviation < dead_zone, torch.zeros_like(deviation), deviation)
+    counts = {"active": active, "total": total}
+    loss = torch.zeros((), dtype=torch.float64, device=active.device)
+    ratios = {}
+    for kind, fraction in targets.items():
+        ratio = counts[kind] / (fraction * n_full[kind])
+        deviation = (ratio - 1.0).abs()
+        if not is_full:  # the full budget has no dead zone: it must be the parent
+            deviation = torch.where(deviation < dead_zone, torch.zeros_like(deviation), deviation)
+        loss = loss + deviation
+        ratios[kind] = ratio.detach()
     pin = pin_loss(probs).double() if is_full else torch.zeros((), dtype=torch.float64, device=loss.device)
     loss = loss + pin_weight * pin
     return BudgetLossOut(
         loss=loss.to(dtype),
         expected_active=active,
         expected_total=total,
-        ratio=ratio.detach(),
+        ratio=ratios[primary],
         pin=pin.detach(),
+        ratios=ratios,
     )
 
 

@@ -136,8 +136,12 @@ def expected_params(
     config: HybridConfig,
     expected: dict[str, Tensor],
     depth_order: Sequence[int] | None = None,
+    by_layer: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Differentiable (total, active) at the expected sizes; float64 scalars.
+
+    Without per-layer sizes the layers of one kind are counted once (``by_layer=True`` forces the
+    per-layer sum, the reference of that shortcut).
 
     ``expected[axis]``: a scalar (one size for every layer) or, for a layer axis, a vector with one
     entry per layer of that kind (parent layer order). Missing axes are at full size.
@@ -182,6 +186,20 @@ def expected_params(
         raise ValueError(f"expected_params: depth must be a scalar or ({n_layers},) keep probabilities")
 
     total = active = _outer(config, h)
+    if not by_layer and all(t is None or t.dim() == 0 for t in per_axis.values()):
+        # Every layer of a kind has the same sizes: one count per kind, weighted by the kind's summed keep
+        # gates. The per-layer loop below is the reference (a 52-layer parent costs 4 counts instead of 52).
+        def global_size(axis: str) -> Tensor | int:
+            t = per_axis[axis]
+            return full_size(config, axis) if t is None else t
+
+        for kind in sorted(set(kinds)):
+            rows = torch.tensor([i for i, k in enumerate(kinds) if k == kind], device=device)
+            t_k, a_k = _layer(config, kind, h, global_size)
+            kept = keep[rows].sum()
+            total = total + kept * t_k
+            active = active + kept * a_k
+        return total, active
     ordinal = {kind: 0 for kind in set(kinds)}
     for i, kind in enumerate(kinds):
         r = ordinal[kind]

@@ -11,8 +11,12 @@ Design choices:
   scale ramps linearly (``scale_start -> scale_end``), so samples go from soft mixtures to nearly
   one-hot. All randomness (the Gumbel noise and the rare hard-sample coin) comes from one explicit
   ``torch.Generator`` (a CPU one by default). Without a generator argument it is seeded from
-  ``(RouterConfig.seed, step)``, so every data-parallel worker draws the same sample at the same
-  step, on any device, with no communication.
+  ``(RouterConfig.seed, step)``; the trainer passes its own (one per rank and micro-batch).
+* The schedule runs on a GLOBAL step that spans both distillation phases: ``t`` is
+  ``step_offset + step`` over ``schedule_steps`` (:meth:`RouterConfig.schedule_at`), and phase 2
+  starts at the offset where phase 1 ended, so it continues the anneal instead of reopening it
+  (at tau ~1 it could move away from the architecture phase 1 settled on). Both numbers are
+  fields of the router config, which every distillation output records.
 * With probability ``hard_sample_prob`` a step uses a hard one-hot sample (argmax of the relaxed
   sample) with a straight-through gradient: ``onehot - y.detach() + y``. The forward pass then
   runs one exact architecture, while the router still receives the soft gradient.
@@ -44,7 +48,7 @@ from torch import Tensor, nn
 
 from model.config import HybridConfig
 from model.elastic.arch import Architecture, LayerOverride
-from model.elastic.budgets import BudgetSet
+from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.space import LAYER_AXES, ElasticSpace
 
 _FULL_PROB = 0.9
@@ -68,12 +72,34 @@ class RouterConfig(BaseModel):
     )
     per_layer: bool = Field(False, description="One choice per layer on layer axes (needs space.per_layer).")
     seed: int = Field(0, ge=0, description="Seeds the initialisation and the default per-step noise generator.")
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Length of the tau / scale schedule in global steps, over both distillation phases (e.g. "
+        "phase-1 steps + phase-2 steps: one anneal across both). None: step_offset + the steps of the run "
+        "(phase 1 anneals fully; phase 2 takes phase 1's value from its init_from).",
+    )
+    step_offset: int = Field(
+        0,
+        ge=0,
+        description="Global schedule step of the run's first step: 0 in phase 1; phase 2 starts where phase 1 "
+        "ended (filled in from init_from when left at 0).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
         if self.tau_end > self.tau_start:
             raise ValueError(f"tau_end ({self.tau_end}) must not exceed tau_start ({self.tau_start})")
         return self
+
+    def schedule_at(self, step: int, run_steps: int) -> tuple[int, int]:
+        """(global step, schedule length) of step ``step`` of a run of ``run_steps`` steps.
+
+        The values :meth:`BudgetRouter.tau` / :meth:`BudgetRouter.scale` / ``forward`` take as
+        ``(step, total)``. Past the schedule's end they hold ``tau_end`` / ``scale_end``.
+        """
+        total = self.schedule_steps if self.schedule_steps is not None else self.step_offset + run_steps
+        return self.step_offset + step, total
 
 
 @dataclass
@@ -227,7 +253,9 @@ class BudgetRouter(nn.Module):
     ) -> RouterSample:
         """Draw relaxed (or, rarely, straight-through hard) choices for the budget ``budget_vec`` (n_budgets,).
 
-        ``generator``: the source of all randomness (default :meth:`step_generator`). ``hard``
+        ``step`` / ``total_steps``: the schedule position, global over both phases
+        (:meth:`RouterConfig.schedule_at`). ``generator``: the source of all randomness (default
+        :meth:`step_generator`). ``hard``
         forces (True) or forbids (False) a hard sample; None draws it with ``hard_sample_prob``.
         The coin is drawn either way, so the noise stream does not depend on ``hard``.
         """
@@ -276,24 +304,27 @@ class BudgetRouter(nn.Module):
     def feasible_arch(
         self,
         budget_vec: Tensor,
-        target_fraction: float,
+        target: Budget | float,
         tolerance: float = 0.05,
         depth_order: Sequence[int] | None = None,
         max_combinations: int = 200_000,
     ) -> Architecture:
-        """The architecture nearest the argmax whose active parameters are within ``tolerance`` of the target.
+        """The architecture nearest the argmax that meets every target of ``target`` within ``tolerance``.
 
-        A late router can saturate on an architecture the budget loss no longer moves (its Gumbel
-        samples are one-hot, so its gradients vanish). This selection keeps the router's ranking
-        but enforces the target: among every combination of candidates with
-        ``|active / (target_fraction * full_active) - 1| <= tolerance`` it returns the one that
-        gives up the least raw-logit margin, ``sum_axes (max_k z_k - z_chosen)`` (the argmax costs
-        0, so an on-target argmax is returned unchanged); ties go to the smaller deviation.
-        Exhaustive over global choices; per-layer routers and spaces of more than
-        ``max_combinations`` architectures raise ``ValueError`` (use the argmax there).
+        ``target``: a :class:`~model.elastic.budgets.Budget` (each stated total / active target is
+        checked) or a float (an active fraction). A late router can saturate on an architecture
+        the budget loss no longer moves (its Gumbel samples are one-hot, so its gradients vanish).
+        This selection keeps the router's ranking but enforces the targets: among every
+        combination of candidates with ``|N_kind / (target_kind * N_full_kind) - 1| <= tolerance``
+        on every stated kind it returns the one that gives up the least raw-logit margin,
+        ``sum_axes (max_k z_k - z_chosen)`` (the argmax costs 0, so an on-target argmax is returned
+        unchanged); ties go to the smaller largest deviation. Exhaustive over global choices;
+        per-layer routers and spaces of more than ``max_combinations`` architectures raise
+        ``ValueError`` (use the argmax there).
         """
         from model.elastic.params import count_params
 
+        budget = target if isinstance(target, Budget) else Budget(name="target", active=target)
         if self.router_config.per_layer:
             raise ValueError("feasible selection enumerates global choices; a per-layer router needs select='argmax'")
         logits = {axis: z.detach().double() for axis, z in self.logits(budget_vec).items()}
@@ -303,7 +334,7 @@ class BudgetRouter(nn.Module):
                 f"feasible selection would enumerate {n:,} architectures (max_combinations={max_combinations:,}); "
                 "use select='argmax' or a smaller space"
             )
-        full = count_params(self.config).active
+        full = count_params(self.config)
         best: tuple[float, float, Architecture] | None = None
         axes = list(logits)
         for idx in itertools.product(*(range(len(logits[a])) for a in axes)):
@@ -311,13 +342,13 @@ class BudgetRouter(nn.Module):
             if best is not None and cost > best[0]:
                 continue
             arch = Architecture(**{a: self.space.choices(a)[i] for a, i in zip(axes, idx, strict=True)})
-            deviation = abs(count_params(self.config, arch, depth_order).active / (target_fraction * full) - 1.0)
+            deviation = max(budget.deviations(count_params(self.config, arch, depth_order), full).values())
             if deviation <= tolerance and (best is None or (cost, deviation) < best[:2]):
                 best = (cost, deviation, arch)
         if best is None:
             raise ValueError(
-                f"no architecture of the space has active parameters within {100 * tolerance:g}% of "
-                f"{target_fraction} x the parent's; widen the candidate lists or the tolerance"
+                f"no architecture of the space is within {100 * tolerance:g}% of every target of budget "
+                f"{budget.name!r} ({budget.describe()}); widen the candidate lists or the tolerance"
             )
         return best[2]
 
@@ -339,9 +370,7 @@ class BudgetRouter(nn.Module):
         if select == "argmax":
             return {name: self.argmax_arch(bs.one_hot(name)) for name in bs.names}
         if select == "feasible":
-            return {
-                b.name: self.feasible_arch(bs.one_hot(b.name), b.fraction, tolerance, depth_order) for b in bs.budgets
-            }
+            return {b.name: self.feasible_arch(bs.one_hot(b.name), b, tolerance, depth_order) for b in bs.budgets}
         raise ValueError(f"select must be 'argmax' or 'feasible', got {select!r}")
 
 

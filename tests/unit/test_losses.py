@@ -65,13 +65,13 @@ def test_budget_loss_zero_inside_dead_zone_positive_outside(tiny_config):
     arch = {"hidden": 24, "moe_ffn": 8, "experts": 3}
     frac = count_params(tiny_config, Architecture(**arch)).active / count_params(tiny_config).active
     probs = _one_hot_probs(arch)
-    inside = budget_loss(tiny_config, SPACE, probs, target_fraction=frac * 1.03, is_full=False)
+    inside = budget_loss(tiny_config, SPACE, probs, target=frac * 1.03, is_full=False)
     assert inside.loss.item() == 0.0
     assert inside.expected_active.item() == pytest.approx(count_params(tiny_config, Architecture(**arch)).active)
     assert inside.expected_total.item() == pytest.approx(count_params(tiny_config, Architecture(**arch)).total)
-    outside = budget_loss(tiny_config, SPACE, probs, target_fraction=frac * 1.3, is_full=False)
+    outside = budget_loss(tiny_config, SPACE, probs, target=frac * 1.3, is_full=False)
     assert outside.loss.item() == pytest.approx(abs(1 / 1.3 - 1), rel=1e-5)
-    above = budget_loss(tiny_config, SPACE, probs, target_fraction=frac / 1.2, is_full=False)
+    above = budget_loss(tiny_config, SPACE, probs, target=frac / 1.2, is_full=False)
     assert above.loss.item() == pytest.approx(0.2, rel=1e-5)
 
 
@@ -117,7 +117,7 @@ def test_budget_loss_gradients_reach_router(tiny_config):
 
 
 def test_budget_loss_rejects_bad_input(tiny_config):
-    with pytest.raises(ValueError, match="target_fraction"):
+    with pytest.raises(ValueError, match="target fraction"):
         budget_loss(tiny_config, SPACE, _one_hot_probs({}), 0.0, is_full=False)
     with pytest.raises(ValueError, match="not an elastic axis"):
         budget_loss(tiny_config, SPACE, {"attn_heads": torch.tensor([1.0, 0.0])}, 0.5, is_full=False)

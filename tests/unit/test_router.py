@@ -43,7 +43,7 @@ def test_budget_set_sorted_and_validated(budgets):
         BudgetSet.of({"a": 0.9, "b": 0.5})
     with pytest.raises(ValueError, match="unique"):
         BudgetSet(budgets=[Budget(name="a", fraction=1.0), Budget(name="a", fraction=0.5)])
-    with pytest.raises(ValueError, match="share the fraction"):
+    with pytest.raises(ValueError, match="share the active target"):
         BudgetSet.of({"a": 1.0, "b": 0.5, "c": 0.5})
     with pytest.raises(ValueError):
         Budget(name="x", fraction=1.5)
@@ -77,7 +77,7 @@ def test_check_reachable(tiny_config, space):
     ok = BudgetSet.of({"full": 1.0, "edge": smallest / 1.04})  # inside the 5% dead zone
     assert ok.check_reachable(tiny_config, space) == pytest.approx(smallest)
     bad = BudgetSet.of({"full": 1.0, "tiny": smallest / 1.2})
-    with pytest.raises(ValueError, match=r"budget 'tiny' \(target 0\.\d+\).*active fraction of 0\.\d+"):
+    with pytest.raises(ValueError, match=r"budget 'tiny' \(active target 0\.\d+\).*active fraction 0\.\d+"):
         bad.check_reachable(tiny_config, space)
 
 
