@@ -76,7 +76,8 @@ class PhaseShape(_Strict):
     name: str = Field(description="Phase name in tables and metric keys, e.g. 'distill_phase1'.")
     steps: int = Field(ge=1, description="Optimizer steps.")
     seq_len: int = Field(ge=1, description="Tokens per row.")
-    micro_batch_size: int = Field(ge=1, description="Rows per rank per step.")
+    micro_batch_size: int = Field(ge=1, description="Rows per rank per micro-batch.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step (memory is per micro-batch).")
     num_workers: int = Field(ge=1, description="Data-parallel ranks the phase asks for.")
     zero_stage: Literal[0, 1, 2, 3] = Field(description="DeepSpeed ZeRO stage.")
     bf16: bool = Field(description="bf16 weights and activations (else float32).")
@@ -323,8 +324,8 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
     host_total = sum(i.bytes for i in host_items)
 
     flops = flops_per_token(config, phase.seq_len, phase.activation_checkpointing)
-    step_s = flops["total"] * tokens / (hw.peak_tflops * 1e12 * hw.utilization)
-    tokens_per_step = world * tokens
+    step_s = flops["total"] * tokens * phase.grad_accum_steps / (hw.peak_tflops * 1e12 * hw.utilization)
+    tokens_per_step = world * tokens * phase.grad_accum_steps
     return PhasePlan(
         name=phase.name,
         world=world,

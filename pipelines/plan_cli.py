@@ -110,6 +110,7 @@ def phase_shapes(pipeline: Any, checkpointing: bool, kd_chunk: int) -> list[Any]
                 steps=cfg.steps,
                 seq_len=cfg.seq_len,
                 micro_batch_size=cfg.micro_batch_size,
+                grad_accum_steps=cfg.grad_accum_steps,
                 num_workers=cfg.num_workers,
                 zero_stage=cfg.zero_stage,
                 bf16=cfg.bf16,
