@@ -67,10 +67,11 @@ def parent_architecture(cfg: PipelineConfig) -> tuple[HybridConfig | None, list[
     uri = cfg.parent.uri
     if uri is None:
         arch = cfg.parent.train.architecture
-        try:  # the vocabulary comes from the tokenizer at training time; no shape checked here depends on it
-            return HybridConfig(**{"vocab_size": 256, **arch}), []
+        vocab, problems = _trained_vocab(cfg)
+        try:
+            return HybridConfig(**{"vocab_size": vocab or 256, **arch}), problems
         except ValidationError as err:
-            return None, describe(err, ("parent", "train", "architecture"))
+            return None, describe(err, ("parent", "train", "architecture")) + problems
     if is_s3(uri):
         try:
             check_reachable(uri)
@@ -86,6 +87,26 @@ def parent_architecture(cfg: PipelineConfig) -> tuple[HybridConfig | None, list[
         return HybridConfig.from_json_file(folder / "config.json"), []
     except (ValueError, TypeError) as err:
         return None, [f"parent.uri: {folder / 'config.json'} is not a usable nemotron_h config ({_one_line(err)})"]
+
+
+def _trained_vocab(cfg: PipelineConfig) -> tuple[int | None, list[str]]:
+    """Embedding rows of a parent trained in the pipeline: its tokenizer's size rounded up to 16, as
+    parent training does (None when the tokenizer is remote or missing: the budgets are then checked
+    when the parent exists)."""
+    from components.data import TextTokenizer, build_demo_tokenizer
+    from components.storage import is_s3
+
+    folder = cfg.parent.train.tokenizer
+    if folder is None:
+        size = len(build_demo_tokenizer())
+    elif is_s3(folder):
+        return None, []
+    else:
+        try:
+            size = TextTokenizer.load(folder, cfg.parent.train.markers).vocab_size
+        except Exception as err:  # any loader error is the user's tokenizer folder: one line
+            return None, [f"parent.train.tokenizer: {folder} does not load ({_one_line(err)})"]
+    return -(-size // 16) * 16, []
 
 
 def elastic_problems(cfg: PipelineConfig, parent: HybridConfig, reachability: bool = True) -> list[str]:
@@ -201,7 +222,8 @@ def pipeline_problems(
     parent, found = parent_architecture(cfg)
     problems += found
     if parent is not None:
-        problems += elastic_problems(cfg, parent, reachability=cfg.parent.uri is not None)
+        known_vocab = cfg.parent.uri is not None or _trained_vocab(cfg)[0] is not None
+        problems += elastic_problems(cfg, parent, reachability=known_vocab)
     problems += uri_problems(cfg)
     problems += data_problems(cfg)
     return cfg, problems + names
