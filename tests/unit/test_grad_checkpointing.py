@@ -10,25 +10,9 @@ from model.elastic import ElasticSpace
 from model.elastic.build_masks import soft_mask
 from model.elastic.kd_chunked import chunked_kd_loss
 from model.hybrid import HybridLM
+from tests.conftest import TINY
 
-CFG = HybridConfig(
-    vocab_size=64,
-    hidden_size=32,
-    pattern="M*ME-E",
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    mamba_num_heads=4,
-    mamba_head_dim=8,
-    n_groups=2,
-    ssm_state_size=8,
-    chunk_size=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    moe_shared_expert_intermediate_size=24,
-)
+CFG = HybridConfig(**TINY)
 SPACE = ElasticSpace(
     hidden=[32, 24],
     mamba_heads=[4, 2],

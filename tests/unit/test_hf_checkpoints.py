@@ -29,30 +29,14 @@ from model.checkpoint import (
     write_manifest,
 )
 from model.config import HybridConfig, decode_special_floats
+from tests.conftest import TINY
 
 transformers = pytest.importorskip("transformers")
 
 PATTERN = "M*ME-E"
 BLOCKS = ["linear_attention", "full_attention", "linear_attention", "moe", "mlp", "moe"]  # PATTERN, list spelling
 LEGACY_BLOCKS = ["mamba", "attention", "mamba", "moe", "mlp", "moe"]  # the same layers, legacy names
-HF_TINY = dict(
-    vocab_size=64,
-    hidden_size=32,
-    layers_block_type=BLOCKS,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    mamba_num_heads=4,
-    mamba_head_dim=8,
-    n_groups=2,
-    ssm_state_size=8,
-    chunk_size=8,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    moe_shared_expert_intermediate_size=24,
-)
+HF_TINY = {**{k: v for k, v in TINY.items() if k != "pattern"}, "layers_block_type": BLOCKS}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |logit difference|; tiny-model logits are ~0.4
 
 
