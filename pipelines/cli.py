@@ -115,14 +115,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_kfp_compile(args: argparse.Namespace) -> int:
+    from components.kuberay import demo_cluster_config, real_cluster_config
     from pipelines.kfp_pipeline import compile_pipeline
 
-    cluster = None
-    if args.cluster == "real":
-        from components.kuberay import real_cluster_config
-
-        cluster = real_cluster_config()
-    out = compile_pipeline(args.config, args.out, cluster)
+    make = real_cluster_config if args.cluster == "real" else demo_cluster_config
+    out = compile_pipeline(args.config, args.out, make(args.registry, args.namespace))
     print(f"wrote Kubeflow pipeline {out}")
     return 0
 
@@ -146,6 +143,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from components.kuberay.config import DEFAULT_NAMESPACE
+
     parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -193,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     kcompile.add_argument("config", help="pipeline YAML")
     kcompile.add_argument("--out", default="pipeline.yaml", help="output YAML path")
     kcompile.add_argument("--cluster", choices=["demo", "real"], default="demo", help="cluster shape for the RayJobs")
+    kcompile.add_argument("--registry", default="", help="image registry prefix, e.g. ghcr.io/acme")
+    kcompile.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace the RayJobs are created in")
     kcompile.set_defaults(func=_cmd_kfp_compile)
 
     serve_p = sub.add_parser("serve", help="serve every budget of one checkpoint (OpenAI-compatible, Ray Serve)")
