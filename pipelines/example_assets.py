@@ -58,9 +58,9 @@ SYSTEM_PROMPTS = (
 )
 OP_WORDS = {"+": "plus", "-": "minus", "*": "times"}
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
-EXAMPLE_PROBLEMS = ProblemConfig(min_steps=1, max_steps=4, fold_prob=0.0, direct_prob=0.0)
-"""Chains of 1-4 steps: short enough for a parent trained in minutes, long enough that levels differ."""
-EVAL_LEVELS = (1, 2, 3, 4)
+EXAMPLE_PROBLEMS = ProblemConfig(min_steps=1, max_steps=3, fold_prob=0.0, direct_prob=0.0)
+"""Chains of 1-3 steps: short enough for a parent trained in minutes, long enough that levels differ."""
+EVAL_LEVELS = (1, 2, 3)
 _SKIP_MODULES = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"})
 
 
