@@ -79,7 +79,11 @@ def test_parent_is_a_transformers_checkpoint(example_run):
 
 def test_every_stage_carries_the_tokenizer_files(example_run):
     run_dir, _ = example_run
-    for folder in (run_dir / "rank" / "permuted", run_dir / "distill_phase2" / "student", run_dir / "export" / "nested"):
+    for folder in (
+        run_dir / "rank" / "permuted",
+        run_dir / "distill_phase2" / "student",
+        run_dir / "export" / "nested",
+    ):
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
             assert (folder / name).is_file(), f"{folder}: {name}"
 
