@@ -76,8 +76,12 @@ def question(prompt: str) -> str:
 
 
 def trace(reasoning: str) -> str:
-    """The generator's trace with spaces: ``"7+5=2\\n"`` -> ``"7 + 5 = 2\\n"``."""
-    return "".join(spaced(line) + "\n" for line in reasoning.splitlines())
+    """The generator's trace with spaces: ``"7+5=2\\n"`` -> ``" 7 + 5 = 2\\n"``.
+
+    Each line starts with a space so that every number is the same token (``" 7"``) in the question, in
+    the trace and in the result carried to the next line: copying is then a token-for-token lookup.
+    """
+    return "".join(" " + spaced(line) + "\n" for line in reasoning.splitlines())
 
 
 def final(answer: str) -> str:
