@@ -20,6 +20,7 @@ as a sequence of epochs, each a fresh permutation of this rank's shard (the rows
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import cached_property
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from components.data.locate import builder_for, cache_root, resolve_files
 from components.data.reasoning import ANSWER_PREFIX, Problem, ProblemConfig, derive_seed, generate_problems
@@ -78,6 +79,12 @@ class FilesSource(BaseModel):
         "for corpora too large to convert.",
     )
     shuffle_buffer: int = Field(10_000, ge=1, description="Rows in the shuffle buffer of a streaming source.")
+
+    @field_validator("paths")
+    @classmethod
+    def _absolute(cls, paths: list[str]) -> list[str]:
+        """Local paths made absolute where the config is read: Ray workers run in other folders."""
+        return [p if p.startswith("s3://") or os.path.isabs(p) else os.path.abspath(p) for p in paths]
 
 
 class GeneratorSource(ProblemConfig):
