@@ -1,53 +1,70 @@
-"""Checkpoints of a distillation run: what one Ray Train checkpoint holds, and how it is read back.
+"""Checkpoints of a distillation run: each rank's own shard in DeepSpeed's format, read back without pickles,
+and consolidated into the phase output tensor by tensor.
 
-Layout of one checkpoint folder (the merge of every rank's folder; Ray Train merges them)::
+Layout of one Ray Train checkpoint folder (the merge of every rank's folder; Ray Train merges them)::
 
-    student.safetensors     rank 0: the student HybridLM state dict (float32, canonical keys)
-    router.safetensors      rank 0: the BudgetRouter state dict
-    state.json              rank 0: next step, attempt, tokens seen, world size, logged history
-    optim/rank<r>.pt        every rank r: its (ZeRO-partitioned) optimizer state
+    state.json                  rank 0: next step, attempt, tokens seen, world size, ZeRO stage, history
+    deepspeed/zero/...          DeepSpeed's engine.save_checkpoint(tag="zero"), every rank its own files:
+      zero_pp_rank_<r>_mp_rank_00_model_states.pt     ZeRO-3: buffers and parameter shapes (no weights)
+      [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt  ZeRO-1/2/3: rank r's float32 master partition and
+                                                        Adam moments
+      mp_rank_00_model_states.pt                        ZeRO-0/1/2: rank 0, the (replicated) weights
+                                                        (ZeRO-0: and the optimizer)
 
 Design choices:
 
-* Weights are safetensors, never pickles. The optimizer state has to be a ``torch.save`` file
-  (DeepSpeed's ZeRO optimizers return nested dicts), but it is stripped to tensors and plain
-  Python values before saving (:func:`safe_tree`) so that it loads with
-  ``torch.load(weights_only=True)``: a checkpoint in shared storage can never run code on load.
-  The stripped entries (DeepSpeed's loss scaler object, enum tags, slice-mapping records) are
-  rebuilt by the live optimizer: on load, the saved tree is merged INTO the live optimizer's own
-  ``state_dict()`` (:func:`merge_tree`) and that complete dict is what DeepSpeed loads.
-* ZeRO stages 1 and 2 partition the optimizer state by data-parallel rank, so each rank saves and
-  loads its own file; a resume with a different world size restores weights and step but restarts
-  the optimizer moments (with a warning), rather than loading partitions that do not line up.
-* Under ZeRO-3 the parameters themselves are partitioned: :func:`gathered` materialises them for a
-  block of code (a collective: every rank must enter it).
-* There is no RNG state to keep: the data batch, the budget draw and the router noise of a step
-  are all derived from ``(seed, phase, step)``, so the step counter IS the data position.
+* DeepSpeed's own format (``engine.save_checkpoint`` / ``load_checkpoint``): each rank writes only what
+  it holds, nothing is gathered, and DeepSpeed restores its partitions and float32 master weights
+  itself. A resume must use the world size and ZeRO stage that wrote the shards (checked first, with
+  the fix in the message).
+* No pickle runs code on load. DeepSpeed loads with ``weights_only=False``; the engine's checkpoint
+  loader is replaced by :class:`SafeCheckpointEngine`, which loads with ``weights_only=True`` and allows
+  exactly three DeepSpeed types the files contain (the loss scaler, the ZeRO stage enum and the
+  fragment-address tuple), so a checkpoint in shared storage cannot run code in the workers.
+* A resuming rank fetches only its own files (:func:`fetch`): on remote storage each worker would
+  otherwise download every rank's optimizer shards.
+* Consolidation (:func:`consolidate`) is a separate step on the driver: it reads the shards memory-mapped
+  and writes the student and router tensor by tensor (:func:`write_safetensors`), one full tensor in
+  memory at a time, in the training dtype (bf16 training writes bf16: phase 2 starts from exactly the
+  weights phase 1 trained). ZeRO-3 tensors are rebuilt from every rank's float32 master partition (the
+  layout DeepSpeed's ``zero_to_fp32`` reads; the tests compare with it); ZeRO-0/1/2 weights are the
+  replicated ones rank 0 wrote.
+* There is no RNG state to keep: the data batch, the budget draw and the router noise of a step are all
+  derived from ``(seed, phase, step)``, so the step counter IS the data position.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import functools
 import json
 import os
-import warnings
+import re
+import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, Field
-from safetensors.torch import load_file, save_file
-from torch import nn
 
-STUDENT_FILE = "student.safetensors"
 ROUTER_FILE = "router.safetensors"
 STATE_FILE = "state.json"
-OPTIM_DIR = "optim"
+DS_DIR = "deepspeed"
+TAG = "zero"
 
-_PLAIN = (int, float, bool, str, type(None))
+_DTYPE_NAMES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_FP32_TENSORS = ("e_score_correction_bias",)
 
 
 class TrainState(BaseModel):
@@ -57,169 +74,273 @@ class TrainState(BaseModel):
     attempt: int = Field(0, description="0 for the first start; +1 on every resume from a checkpoint.")
     tokens_seen: int = Field(0, description="Tokens (all workers) processed up to next_step.")
     train_seconds: float = Field(0.0, description="Wall time spent in the training loop, all attempts.")
-    world_size: int = Field(1, description="Data-parallel ranks that wrote the optimizer shards.")
-    zero_stage: int = Field(0, description="ZeRO stage of the optimizer shards.")
+    world_size: int = Field(1, description="Data-parallel ranks that wrote the shards.")
+    zero_stage: int = Field(0, description="ZeRO stage of the shards.")
     phase: int = Field(1, description="Distillation phase.")
     history: list[dict[str, Any]] = Field(default_factory=list, description="Logged rows up to next_step.")
 
 
-# ---------------------------------------------------------------------- safe pickles
-def safe_tree(obj: Any) -> Any:
-    """Keep only what ``torch.load(weights_only=True)`` accepts: tensors, plain scalars, str, None,
-    and dicts / lists / tuples of those. Anything else is dropped (``_DROP``); a list or tuple that
-    would lose an element is dropped whole, so positions never shift."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if type(obj) in _PLAIN:  # exact types: an IntEnum is an int subclass and would not load
-        return obj
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            if type(k) not in _PLAIN:
-                continue
-            kept = safe_tree(v)
-            if kept is not _DROP:
-                out[k] = kept
-        return out
-    if isinstance(obj, list | tuple):
-        items = [safe_tree(v) for v in obj]
-        if any(v is _DROP for v in items):
-            return _DROP
-        return items if isinstance(obj, list) else tuple(items)
-    return _DROP
+# ---------------------------------------------------------------------- loading without pickles
+def _allowed_globals() -> list[Any]:
+    """The non-tensor types DeepSpeed's checkpoint files contain (plain data, no code on load)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
 
 
-class _Dropped:
-    def __repr__(self) -> str:
-        return "<dropped>"
+def safe_load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file (see :func:`_allowed_globals`)."""
+    with torch.serialization.safe_globals(_allowed_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
-_DROP = _Dropped()
+@functools.cache
+def _safe_engine_class() -> type:
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True``."""
+
+        def load(self, path: str, map_location: Any = None) -> Any:  # noqa: D102 - see the class
+            return safe_load(path, map_location=map_location)
+
+    return SafeCheckpointEngine
 
 
-def merge_tree(live: Any, saved: Any) -> Any:
-    """``saved`` laid over ``live``: dicts merge key by key, anything else is taken from ``saved``."""
-    if isinstance(live, dict) and isinstance(saved, dict):
-        out = dict(live)
-        for k, v in saved.items():
-            out[k] = merge_tree(live[k], v) if k in live else v
-        return out
-    return saved
+def install_safe_loader(engine: Any) -> None:
+    """Make ``engine.load_checkpoint`` read files with ``weights_only=True`` (:func:`safe_load`)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-
-# ---------------------------------------------------------------------- ZeRO-3 gathering
-@contextlib.contextmanager
-def gathered(module: nn.Module, zero_stage: int) -> Iterator[None]:
-    """Full parameters of ``module`` inside the block under ZeRO-3 (collective); a no-op otherwise."""
-    if zero_stage < 3:
-        yield
+    current = engine.checkpoint_engine
+    if type(current) is _safe_engine_class():
         return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        yield
-
-
-def cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """float32 CPU copies of a state dict (floating tensors upcast; bf16 training saves fp32 weights)."""
-    return {
-        k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous().clone()
-        for k, v in module.state_dict().items()
-    }
+    if type(current) is not TorchCheckpointEngine:
+        raise TypeError(
+            f"the engine's checkpoint engine is {type(current).__name__}; distillation checkpoints need DeepSpeed's "
+            "default torch checkpoint engine (remove 'checkpoint' engine settings from the DeepSpeed config)"
+        )
+    engine.checkpoint_engine = _safe_engine_class()(engine._config)
 
 
-# ---------------------------------------------------------------------- save
-def save_checkpoint(
-    folder: Path,
-    rank: int,
-    state: TrainState,
-    student: dict[str, torch.Tensor] | None,
-    router: dict[str, torch.Tensor] | None,
-    optimizer: Any,
-) -> None:
-    """Write this rank's part of a checkpoint into ``folder`` (rank 0 adds weights and state)."""
+# ---------------------------------------------------------------------- save / load
+def save_checkpoint(engine: Any, folder: Path, rank: int, state: TrainState) -> None:
+    """Write this rank's shard of a checkpoint into ``folder`` (collective: every rank calls it).
+    Rank 0 adds ``state.json``."""
     folder = Path(folder)
-    (folder / OPTIM_DIR).mkdir(parents=True, exist_ok=True)
-    torch.save(safe_tree(optimizer.state_dict()), folder / OPTIM_DIR / f"rank{rank}.pt")
-    if rank != 0:
-        return
-    if student is None or router is None:
-        raise ValueError("rank 0 must save the student and router weights")
-    save_file(student, str(folder / STUDENT_FILE), metadata={"format": "pt"})
-    save_file(router, str(folder / ROUTER_FILE), metadata={"format": "pt"})
-    tmp = folder / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(state.model_dump(), indent=1))
-    os.replace(tmp, folder / STATE_FILE)
+    engine.save_checkpoint(str(folder / DS_DIR), tag=TAG, save_latest=False)
+    if rank == 0:
+        tmp = folder / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(state.model_dump(), indent=1))
+        os.replace(tmp, folder / STATE_FILE)
 
 
-# ---------------------------------------------------------------------- load
 def read_state(folder: Path) -> TrainState:
     """``state.json`` of a checkpoint folder."""
     return TrainState.model_validate_json((Path(folder) / STATE_FILE).read_text())
 
 
-def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(student state dict, router state dict) of a checkpoint folder."""
-    folder = Path(folder)
-    return load_file(str(folder / STUDENT_FILE)), load_file(str(folder / ROUTER_FILE))
-
-
-def read_optimizer(folder: Path, rank: int) -> dict[str, Any] | None:
-    """This rank's saved optimizer tree (loaded with ``weights_only=True``), or None if absent."""
-    path = Path(folder) / OPTIM_DIR / f"rank{rank}.pt"
-    if not path.exists():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def load_optimizer(optimizer: Any, saved: dict[str, Any], world_size: int) -> None:
-    """Load a tree from :func:`read_optimizer` into a live torch or DeepSpeed optimizer.
-
-    torch optimizers and DeepSpeed's unfused bf16 wrapper (ZeRO-0) take one dict; DeepSpeed's ZeRO
-    optimizers take a list indexed by data-parallel rank (each rank reads its own entry) and restore
-    their fp32 master weights from it (``load_from_fp32_weights``), so bf16 training resumes without
-    a precision loss.
-    """
-    merged = merge_tree(optimizer.state_dict(), saved)
-    params = inspect.signature(optimizer.load_state_dict).parameters
-    if isinstance(optimizer, torch.optim.Optimizer) or "load_from_fp32_weights" not in params:
-        optimizer.load_state_dict(merged)  # torch optimizers, DeepSpeed's unfused bf16/fp16 wrapper (ZeRO-0)
-    else:
-        optimizer.load_state_dict([merged] * world_size, load_optimizer_states=True, load_from_fp32_weights=True)
-
-
-@dataclass
-class Restored:
-    """Everything one rank needs from a checkpoint, read into memory (the folder may be temporary)."""
-
-    state: TrainState
-    student: dict[str, torch.Tensor]
-    router: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None
-
-
-def read_checkpoint(folder: Path, rank: int) -> Restored:
-    """Read state, weights and this rank's optimizer shard of a checkpoint folder."""
-    student, router = read_weights(folder)
-    return Restored(read_state(folder), student, router, read_optimizer(folder, rank))
-
-
-def restore_optimizer(optimizer: Any, restored: Restored, rank: int, world_size: int, zero_stage: int) -> bool:
-    """Restore this rank's optimizer shard when the layout matches; warn and keep fresh moments otherwise."""
-    state = restored.state
-    if state.world_size != world_size or state.zero_stage != zero_stage:
-        warnings.warn(
-            f"checkpoint optimizer shards were written by {state.world_size} ranks at ZeRO-{state.zero_stage}; "
-            f"this run has {world_size} ranks at ZeRO-{zero_stage}: weights and step are restored, the optimizer "
-            "moments restart",
-            stacklevel=2,
+def load_checkpoint(engine: Any, folder: Path, world_size: int, zero_stage: int) -> TrainState:
+    """Restore weights, float32 master weights and optimizer moments of this rank from ``folder``; returns the
+    saved state. Raises ``ValueError`` when the shards were written by another world size or ZeRO stage."""
+    state = read_state(folder)
+    if (state.world_size, state.zero_stage) != (world_size, zero_stage):
+        raise ValueError(
+            f"{folder}: the checkpoint shards were written by {state.world_size} ranks at ZeRO-{state.zero_stage}; "
+            f"this run has {world_size} ranks at ZeRO-{zero_stage}. Resume with num_workers={state.world_size} and "
+            f"zero_stage={state.zero_stage}, or start a fresh run (another run_name) from the consolidated output"
         )
-        return False
-    if restored.optimizer is None:
-        warnings.warn(f"the checkpoint has no optimizer shard for rank {rank}; moments restart", stacklevel=2)
-        return False
-    load_optimizer(optimizer, restored.optimizer, world_size)
-    return True
+    install_safe_loader(engine)
+    path, _ = engine.load_checkpoint(
+        str(Path(folder) / DS_DIR), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    if path is None:
+        raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint under {DS_DIR}/{TAG}")
+    return state
+
+
+def rank_needs(relative: str, rank: int) -> bool:
+    """Whether rank ``rank`` reads the checkpoint file ``relative`` (a path inside the folder) to resume."""
+    name = relative.rsplit("/", 1)[-1]
+    return name == STATE_FILE or name.startswith("mp_rank_") or f"zero_pp_rank_{rank}_" in name
+
+
+def consolidation_needs(relative: str, zero_stage: int) -> bool:
+    """Whether :func:`consolidate` reads ``relative``: the state, the model-state files and, at ZeRO-3 only, the
+    optimizer shards (their float32 master partitions are the weights)."""
+    name = relative.rsplit("/", 1)[-1]
+    optim = zero_stage == 3 and name.endswith("optim_states.pt")
+    return name == STATE_FILE or name.endswith("_model_states.pt") or optim
+
+
+@contextlib.contextmanager
+def fetch(checkpoint: Any, wanted: Any) -> Iterator[Path]:
+    """A local folder holding the files of a Ray Train ``checkpoint`` for which ``wanted(relative_path)``.
+
+    Local storage: the checkpoint's own folder (nothing copied). Remote storage (``s3://``): only the wanted
+    files are downloaded, into a temporary folder removed on exit.
+    """
+    import pyarrow.fs
+
+    fs, root = checkpoint.filesystem, checkpoint.path
+    if fs is None or isinstance(fs, pyarrow.fs.LocalFileSystem):
+        yield Path(root)
+        return
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    with tempfile.TemporaryDirectory(prefix="distill-ckpt-") as tmp:
+        local = pyarrow.fs.LocalFileSystem()
+        for info in infos:
+            if info.type != pyarrow.fs.FileType.File:
+                continue
+            relative = info.path[len(root.rstrip("/")) + 1 :]
+            if not wanted(relative):
+                continue
+            (Path(tmp) / relative).parent.mkdir(parents=True, exist_ok=True)
+            pyarrow.fs.copy_files(info.path, str(Path(tmp) / relative), fs, local)
+        yield Path(tmp)
+
+
+# ---------------------------------------------------------------------- consolidation
+def _zero_dir(folder: Path) -> Path:
+    path = Path(folder) / DS_DIR / TAG
+    if not path.is_dir():
+        raise FileNotFoundError(f"{folder}: no DeepSpeed checkpoint under {DS_DIR}/{TAG}")
+    return path
+
+
+def _rank_of(path: Path) -> int:
+    return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
+
+
+def _as_dtype(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    if not t.is_floating_point():
+        return t.dtype
+    return torch.float32 if name.endswith(_FP32_TENSORS) else dtype
+
+
+def consolidated_tensors(
+    folder: Path, dtype: torch.dtype
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[tuple[str, torch.Tensor]]]:
+    """The full tensors of the trained module in a checkpoint folder, without loading it whole.
+
+    Returns ``(entries, tensors)``: ``entries`` lists ``(name, shape, dtype)`` of every tensor in the order
+    ``tensors`` yields them; ``tensors`` yields ``(name, tensor)`` one at a time (floating tensors in
+    ``dtype``, the MoE router bias in float32). Names are the trained module's (``student.``, ``router.``).
+    """
+    zdir = _zero_dir(folder)
+    optim = sorted(zdir.glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
+    z3_states = sorted(zdir.glob("zero_pp_rank_*_model_states.pt"), key=_rank_of)
+    if not z3_states:  # ZeRO-0/1/2: rank 0 wrote the replicated weights
+        module = safe_load(zdir / "mp_rank_00_model_states.pt", mmap=True)["module"]
+        entries = [(n, tuple(t.shape), _as_dtype(n, t, dtype)) for n, t in module.items()]
+
+        def replicated() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, shape, want in entries:
+                yield name, module[name].to(want, copy=True).reshape(shape)
+
+        return entries, replicated()
+
+    head = safe_load(z3_states[0], mmap=True)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for group in head["param_shapes"]:
+        shapes.update({n: tuple(s) for n, s in group.items()})
+    buffers = {n: head["module"][n] for n in head["buffer_names"]}
+    world = len(optim)
+    states = [safe_load(p, mmap=True)["optimizer_state_dict"] for p in optim]
+    if [_rank_of(p) for p in optim] != list(range(world)) or states[0]["partition_count"] != world:
+        raise ValueError(
+            f"{zdir}: expected one optimizer shard per rank 0..{states[0]['partition_count'] - 1}, found "
+            f"{[p.name for p in optim]}"
+        )
+    flats = [s["fp32_flat_groups"] for s in states]  # per rank: float32 master partitions, one per sub-group
+    entries = [(n, s, _as_dtype(n, torch.empty(0), dtype)) for n, s in shapes.items()]
+    entries += [(n, tuple(b.shape), _as_dtype(n, b, dtype)) for n, b in buffers.items()]
+
+    def partitioned() -> Iterator[tuple[str, torch.Tensor]]:
+        bounds = [0]
+        for g in flats[0]:
+            bounds.append(bounds[-1] + g.numel())
+        offset = 0
+        for name, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            size = -(-numel // world)  # ceil: every rank's partition, zero-padded at the end
+            pieces = []
+            for groups in flats:  # rank by rank: this parameter's partition may straddle two sub-groups
+                start, stop = offset, offset + size
+                for gi, group in enumerate(groups):
+                    lo, hi = max(start, bounds[gi]), min(stop, bounds[gi + 1])
+                    if lo < hi:
+                        pieces.append(group[lo - bounds[gi] : hi - bounds[gi]])
+            full = torch.cat(pieces)[:numel]
+            offset += size
+            yield name, full.to(_as_dtype(name, full, dtype)).reshape(shape)
+        if offset != bounds[-1]:
+            raise ValueError(f"{zdir}: the parameter shapes use {offset} elements of {bounds[-1]} per rank")
+        for name, b in buffers.items():
+            yield name, b.to(_as_dtype(name, b, dtype), copy=True)
+
+    return entries, partitioned()
+
+
+def write_safetensors(
+    path: Path,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write a safetensors file from a stream of tensors, one in memory at a time.
+
+    ``entries`` (name, shape, dtype) fixes the header up front; ``tensors`` must yield exactly those, in that
+    order (checked). The file is what ``safetensors.torch.save_file`` writes, byte layout aside: a header
+    followed by each tensor's bytes.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in entries:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(raw).to_bytes(8, "little"))
+        fh.write(raw)
+        for (name, shape, dtype), (got_name, t) in zip(entries, tensors, strict=True):
+            if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(
+                    f"write_safetensors: expected {name} {shape} {dtype}, got {got_name} {tuple(t.shape)} {t.dtype}"
+                )
+            fh.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def consolidate(folder: Path, weights: Path, router: Path, dtype: torch.dtype) -> None:
+    """Write the student (``weights``, nemotron_h keys) and the router (``router``) of a checkpoint folder as
+    safetensors, tensor by tensor (:func:`consolidated_tensors`). The router file is small and built in memory."""
+    from safetensors.torch import save_file
+
+    entries, tensors = consolidated_tensors(Path(folder), dtype)
+    prefix = "student."
+    student_entries = [(n[len(prefix) :], s, d) for n, s, d in entries if n.startswith(prefix)]
+    others = {n for n, _, _ in entries if not n.startswith(prefix) and not n.startswith("router.")}
+    if others:
+        raise ValueError(f"{folder}: tensors outside the student and the router: {sorted(others)[:10]}")
+    router_sd: dict[str, torch.Tensor] = {}
+
+    def student_stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in tensors:
+            if name.startswith(prefix):
+                yield name[len(prefix) :], t
+            else:
+                router_sd[name[len("router.") :]] = t
+
+    write_safetensors(Path(weights), student_entries, student_stream())  # also drains the router's tensors
+    save_file(router_sd, str(router), metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------------- storage

@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from components.data import ProblemConfig, held_out_prompts
+from components.data import DataConfig, GeneratorSource, ReasoningMarkers, held_out_prompts
+from components.data.checks import check_data
 from model.config import HybridConfig
 from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.router import RouterConfig
@@ -36,7 +37,7 @@ PHASE2_DEFAULT_PROBS: tuple[float, ...] = (0.5, 0.3, 0.2)
 
 _BOOKKEEPING = {
     "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
-    "checkpoint_every", "max_failures", "fail_at_step",
+    "checkpoint_every", "max_failures", "fail_at_step", "kd_chunk_tokens", "activation_checkpointing",
 }  # fmt: skip
 """Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
 
@@ -66,7 +67,9 @@ class DistillConfig(BaseModel):
     )
     space: ElasticSpace = Field(description="Elastic axes and their candidate sizes (ElasticSpace fields).")
     budgets: list[Budget] = Field(
-        min_length=1, description="Trained budgets as {name, fraction of the parent's active parameters}; 1.0 required."
+        min_length=1,
+        description="Trained budgets as {name, total, active}: target fractions of the parent's total and / or active "
+        "parameters ('fraction' is the active target); the full budget (1.0) is required.",
     )
     budget_probs: list[float] | None = Field(
         None,
@@ -86,7 +89,14 @@ class DistillConfig(BaseModel):
     )
 
     # ------------------------------------------------------------------ data and schedule
-    data: ProblemConfig = Field(default_factory=ProblemConfig, description="Built-in reasoning problems (the data).")
+    data: DataConfig = Field(
+        default_factory=DataConfig,
+        description="The training mixture (files, the built-in generator, reasoning-gym tasks), rendered with the "
+        "teacher's tokenizer and chat template; see components.data.sources.",
+    )
+    markers: ReasoningMarkers = Field(
+        default_factory=ReasoningMarkers, description="Reasoning markers of the tokenizer (default <think> / </think>)."
+    )
     exclude_eval_levels: list[int] = Field(
         default_factory=lambda: [1, 2, 3, 4, 5, 6],
         description="Held-out eval levels whose prompts never enter training (the evaluate stage's problems).",
@@ -94,15 +104,18 @@ class DistillConfig(BaseModel):
     exclude_eval_per_level: int = Field(50, ge=0, description="Held-out problems per level to exclude (0: none).")
     exclude_eval_seed: int = Field(0, description="Seed of the held-out eval sets to exclude.")
     steps: int = Field(200, ge=1, description="Optimizer steps of this phase.")
-    micro_batch_size: int = Field(8, ge=1, description="Rows per worker per step.")
+    micro_batch_size: int = Field(8, ge=1, description="Rows per worker per micro-batch.")
+    grad_accum_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step, each with its own budget draw, so one update mixes budgets as "
+        "the method's per-micro-batch draw does; rows per update = micro_batch_size * num_workers * grad_accum_steps.",
+    )
     seq_len: int | None = Field(
         None,
         ge=8,
         description="Tokens per row; phase 2 uses several times the phase-1 length (reported 8k then 49k). "
         f"None: {PHASE_SEQ_LEN[1]} in phase 1, {PHASE_SEQ_LEN[2]} in phase 2 (the demo's lengths).",
-    )
-    pack: bool | None = Field(
-        None, description="Pack several problems into each row (make_batch(pack=True)); None: on in phase 2 only."
     )
     lr: float = Field(
         1e-3, gt=0, description="Peak learning rate of the student weights (~1e-4 at real scale; the demo uses more)."
@@ -119,6 +132,18 @@ class DistillConfig(BaseModel):
     use_gpu: bool = Field(False, description="One GPU per worker and NCCL; CPU workers use gloo.")
     zero_stage: Literal[0, 1, 2, 3] = Field(1, description="DeepSpeed ZeRO stage (0: plain data parallel).")
     bf16: bool = Field(False, description="Train in bfloat16 (DeepSpeed bf16 with fp32 master weights).")
+    kd_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Token rows per chunk of the KD loss, computed from hidden states and the lm_head weights "
+        "(model.elastic.kd_chunked): the float32 working set is about 5 x chunk x vocabulary x 4 bytes instead of "
+        "several full (tokens x vocabulary) tensors. 0: the reference loss on full logits (same value).",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each student block's activations in the backward instead of keeping them "
+        "(HybridLM.gradient_checkpointing): same gradients, one more block forward per block.",
+    )
     checkpoint_every: int = Field(50, ge=1, description="Steps between Ray Train checkpoints (each costs ~1-2 s).")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: forever).")
     storage_path: str | None = Field(
@@ -204,14 +229,14 @@ class DistillConfig(BaseModel):
         return [1.0 / n] * n
 
     def excluded_prompts(self) -> set[str] | None:
-        """Prompts of the held-out eval sets, never trained on (None when nothing is excluded)."""
+        """Prompts of the generator's held-out eval sets (for every generator source), never trained on;
+        None when nothing is excluded."""
         levels, n, seed = self.exclude_eval_levels, self.exclude_eval_per_level, self.exclude_eval_seed
-        return held_out_prompts(levels, n, seed, self.data)
-
-    @property
-    def packed(self) -> bool:
-        """Whether rows are packed with several problems."""
-        return self.pack if self.pack is not None else self.phase == 2
+        out: set[str] = set()
+        for source in self.data.sources:
+            if isinstance(source, GeneratorSource):
+                out |= held_out_prompts(levels, n, seed, source.problem_config()) or set()
+        return out or None
 
     @property
     def warmup_steps(self) -> int:
@@ -268,6 +293,7 @@ def preflight(config: DistillConfig) -> HybridConfig:
     model_config = HybridConfig.from_json_file(teacher_dir / "config.json")
     config.space.validate_against(model_config)
     config.budget_set.check_reachable(model_config, config.space, config.depth_order)
+    check_data(config.data, teacher_dir, config.markers, model_config.vocab_size, "data")
     return model_config
 
 
@@ -289,6 +315,39 @@ def with_run_name(config: DistillConfig) -> DistillConfig:
     init_dir = materialize(config.init_from) if config.init_from else None
     key = config.run_key(input_fingerprint(materialize(config.teacher_uri), init_dir))
     return config.model_copy(update={"run_name": f"distill-phase{config.phase}-{key}"})
+
+
+def with_router_schedule(config: DistillConfig) -> DistillConfig:
+    """``config`` with the router schedule's global position filled in, so phase 2 continues phase 1's anneal.
+
+    Phase 1: ``router.schedule_steps`` defaults to ``step_offset + steps`` (the anneal ends with the
+    phase unless the config spans both phases). Phase 2: ``router.step_offset`` left at 0 becomes
+    where phase 1 ended (its offset + its steps) and an unset ``router.schedule_steps`` becomes phase
+    1's, both read from the ``distill.json`` in ``init_from``. The resolved values are what the
+    workers use and what this phase's ``distill.json`` records. Runs on the driver.
+    """
+    rc = config.router
+    if config.phase == 2 and config.init_from and (rc.step_offset == 0 or rc.schedule_steps is None):
+        from components.storage import materialize
+
+        summary = materialize(config.init_from) / "distill.json"  # written by the distill stage
+        if not summary.exists():
+            raise FileNotFoundError(
+                f"init_from={config.init_from!r} has no distill.json to continue the router schedule from; set "
+                "router.step_offset (phase 1's steps) and router.schedule_steps explicitly"
+            )
+        before = json.loads(summary.read_text())
+        prev = RouterConfig.model_validate(before.get("router", {}))
+        steps_before = int(before["steps"])
+        update: dict[str, int] = {}
+        if rc.step_offset == 0:
+            update["step_offset"] = prev.step_offset + steps_before
+        if rc.schedule_steps is None:
+            update["schedule_steps"] = prev.schedule_steps or prev.step_offset + steps_before
+        rc = rc.model_copy(update=update)
+    if rc.schedule_steps is None:
+        rc = rc.model_copy(update={"schedule_steps": rc.step_offset + config.steps})
+    return config.model_copy(update={"router": rc})
 
 
 def to_worker_dict(config: DistillConfig) -> dict[str, Any]:

@@ -10,7 +10,8 @@
    checkpoints are kept in ``storage_path`` (local or ``s3://``). The run name is keyed by the
    training fields and the input weights' manifests, so re-running the same phase after a driver
    crash resumes from its last checkpoint, while changed settings or inputs start a fresh run.
-3. The final checkpoint becomes ``output_dir``: the student as a ``nemotron_h`` checkpoint, plus
+3. The final checkpoint becomes ``output_dir``: the student as a ``nemotron_h`` checkpoint (consolidated
+   from the ranks' shards tensor by tensor, in the training dtype: bf16 training writes bf16), plus
    ``router.safetensors``, ``distill.json`` (space, budgets, router config, argmax architectures
    and their parameter counts), ``history.json`` (the logged rows) and the tokenizer files, all
    hashed in ``manifest.json``. Phase 2's ``init_from`` is exactly such a folder.
@@ -26,7 +27,7 @@ V1 trainer reserves a CPU for its own actor and waits forever for a third one).
 from __future__ import annotations
 
 import json
-import tempfile
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -117,16 +118,38 @@ def router_from(
 def write_output(
     checkpoint_dir: Path, config: DistillConfig, model_config: HybridConfig, teacher_dir: Path
 ) -> tuple[Path, dict[str, Any], ckpt.TrainState]:
-    """Turn a Ray checkpoint folder into ``output_dir``; returns (folder, the distill.json summary, train state)."""
+    """Turn a Ray checkpoint folder into ``output_dir``; returns (folder, the distill.json summary, train state).
+
+    The student is consolidated from the ranks' shards tensor by tensor (:func:`ckpt.consolidate`) into a
+    nemotron_h ``model.safetensors`` in the training dtype; no model is built.
+    """
+    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_folder, write_manifest
     from model.elastic.export import tokenizer_files
 
     state = ckpt.read_state(checkpoint_dir)
-    student_sd, _ = ckpt.read_weights(checkpoint_dir)
-    with torch.device("meta"):
-        student = HybridLM(model_config)
-    student.load_state_dict(student_sd, strict=True, assign=True)
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    tmp, commit = atomic_folder(Path(config.output_dir))
+    try:
+        ckpt.consolidate(checkpoint_dir, tmp / WEIGHTS_NAME, tmp / ckpt.ROUTER_FILE, dtype)
+        model_config.to_json_file(tmp / CONFIG_NAME)
+        summary = _summary(config, model_config, state, tmp / ckpt.ROUTER_FILE)
+        (tmp / DISTILL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / HISTORY_FILE).write_text(json.dumps(state.history, indent=1) + "\n")
+        for name, src in tokenizer_files(teacher_dir).items():
+            shutil.copyfile(src, tmp / name)
+        write_manifest(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(), summary, state
+
+
+def _summary(
+    config: DistillConfig, model_config: HybridConfig, state: ckpt.TrainState, router_file: Path
+) -> dict[str, Any]:
+    """The ``distill.json`` summary of a finished phase (argmax architectures of the trained router)."""
     budgets = config.budget_set
-    router = router_from(model_config, config.space, budgets, config.router, checkpoint_dir / ckpt.ROUTER_FILE)
+    router = router_from(model_config, config.space, budgets, config.router, router_file)
     archs = router.architectures()
     counts = {n: count_params(model_config, a, config.depth_order) for n, a in archs.items()}
     summary = {
@@ -144,15 +167,9 @@ def write_output(
         "params": {n: {"total": c.total, "active": c.active} for n, c in counts.items()},
         "tokens_seen": state.tokens_seen,
         "attempts": state.attempt + 1,
+        "dtype": "bfloat16" if config.bf16 else "float32",
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        meta, hist = Path(tmp) / DISTILL_FILE, Path(tmp) / HISTORY_FILE
-        meta.write_text(json.dumps(summary, indent=2) + "\n")
-        hist.write_text(json.dumps(state.history, indent=1) + "\n")
-        extra = {**tokenizer_files(teacher_dir), ckpt.ROUTER_FILE: checkpoint_dir / ckpt.ROUTER_FILE}
-        extra.update({DISTILL_FILE: meta, HISTORY_FILE: hist})
-        out = student.save_pretrained(Path(config.output_dir), extra_files=extra)
-    return out, summary, state
+    return summary
 
 
 def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> DistillOutputs:
@@ -166,7 +183,8 @@ def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> Distil
     result = build_trainer(config).fit()
     if result.checkpoint is None:
         raise RuntimeError(f"distill phase {config.phase}: the run finished without a checkpoint ({result.path})")
-    with result.checkpoint.as_directory() as folder:
+    needs = lambda relative: ckpt.consolidation_needs(relative, config.zero_stage)  # noqa: E731
+    with ckpt.fetch(result.checkpoint, needs) as folder:
         out, summary, state = write_output(Path(folder), config, model_config, materialize(config.teacher_uri))
     last = state.history[-1] if state.history else {}
     metrics: dict[str, float] = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}

@@ -1,14 +1,22 @@
 """The Ray Train worker of elastic distillation: one data-parallel rank of a DeepSpeed engine.
 
-One step (identical on every rank except for the data shard):
+One step is ``grad_accum_steps`` micro-batches, then one update. Per micro-batch ``m``:
 
-1. draw the budget from a generator seeded by ``(seed, phase, step)`` (same draw on every rank);
-2. build this rank's batch: ``make_batch`` index ``step * world_size + rank``;
-3. teacher forward (frozen permuted parent, no grad) -> teacher logits (batch, seq, vocab);
-4. engine forward of :class:`ElasticStudent`: router sample for the budget one-hot (noise from a
-   generator seeded by ``(seed, phase, step)``) -> ``soft_mask`` -> masked student forward;
-5. ``kd_loss`` (forward KL on target tokens) ``+ alpha * budget_loss``; DeepSpeed backward, grad
-   clip and AdamW step with two learning rates (weights, router ~100x), warmup + cosine.
+1. draw the budget from a generator seeded by ``(seed, phase, step, m)`` (same draw on every rank, so
+   one update mixes budgets as the method's per-micro-batch draw does);
+2. build this rank's shard of the step's global batch: ``make_data_batch`` at ``(seed, phase, step, rank)``
+   (the data mixture rendered through the teacher's chat template);
+3. teacher forward (frozen permuted parent, no grad) -> its final hidden states (batch, seq, hidden);
+4. engine forward of :class:`ElasticStudent`: router sample for the budget one-hot (Gumbel noise
+   from a generator seeded by ``(seed, phase, step, m, rank)``: each rank its own, as in the
+   method; the rare hard-sample coin is shared by every rank) at the router schedule's GLOBAL step
+   (:meth:`RouterConfig.schedule_at`: phase 2 continues phase 1's anneal) -> ``soft_mask`` ->
+   masked student forward;
+5. the KD loss (forward KL on target tokens) from both models' hidden states and ``lm_head`` weights, chunk by
+   chunk over the tokens (:func:`~model.elastic.kd_chunked.chunked_kd_loss`; no (tokens x vocabulary)
+   float32 tensor), ``+ alpha * budget_loss``; DeepSpeed backward (scaled
+   by ``1 / grad_accum_steps``). After the last micro-batch: grad clip and AdamW step with two
+   learning rates (weights, router ~100x), warmup + cosine.
 
 Design choices:
 
@@ -19,13 +27,23 @@ Design choices:
   shared-memory comm op is marked incompatible before ``initialize`` (otherwise it is compiled on
   first use, ~2 min on a CPU), and the client optimizer is torch's AdamW: DeepSpeed's fused and
   CPU Adam are C++ extensions compiled on first use.
+* ZeRO-3 partitions everything a rank would otherwise hold whole: the student is built under
+  ``zero.Init`` and each rank loads only its slices of the checkpoint (:mod:`.zero3`); the frozen teacher
+  is its own ZeRO-3 engine without an optimizer (DeepSpeed gathers one layer at a time for its forward,
+  the design DeepSpeed's own RLHF recipes use for frozen reference models). Below ZeRO-3 the teacher is
+  replicated like the student's weights. The student's ``lm_head`` is used by the loss, not called as a
+  module, so it is registered as an external parameter of the trained module (DeepSpeed then gathers it
+  for that module's forward and backward); the teacher's is gathered around the loss only.
 * Every rank calls ``ray.train.report`` at the same steps (it is a barrier), each with its own
-  checkpoint folder (its optimizer shard; rank 0 adds weights and state); Ray merges the folders.
+  checkpoint folder: its shard written by DeepSpeed's ``save_checkpoint`` (rank 0 adds the state); Ray
+  merges the folders (:mod:`.ckpt`). A restart reads only this rank's files.
   Reports happen only at checkpoint steps: each one costs a second or two. A checkpoint report is
   followed by a metrics-only report that returns once Ray has registered the checkpoint (see
   ``save_and_report``), so a crash right after a checkpoint resumes from it, not from the one before.
 * The step counter is the whole data position: batch, budget draw and router noise of step ``s``
-  are functions of ``(seed, phase, s)``, so a resumed run sees exactly what it would have seen.
+  are functions of ``(seed, phase, s)`` (and the micro-batch and rank), so a resumed run sees
+  exactly what it would have seen. Micro-batch ``m`` of step ``s`` reads data step
+  ``s * grad_accum_steps + m``; without accumulation every draw is what it was before it existed.
 * Rank 0 alone talks to MLflow. Losses are averaged over ranks (one small all-reduce per logged
   step) so the logged KD loss is the global one, not rank 0's shard.
 """
@@ -41,15 +59,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from components.data import CharTokenizer, derive_seed, make_batch
-from components.distill import ckpt
+from components.data import TextTokenizer, derive_seed, make_data_batch
+from components.distill import ckpt, zero3
 from components.distill.config import DistillConfig
+from model.checkpoint import read_config
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
 from model.elastic.build_masks import soft_mask
+from model.elastic.kd_chunked import DEFAULT_CHUNK, chunked_kd_loss
 from model.elastic.losses import BudgetLossOut, budget_loss, kd_loss
 from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter, RouterSample
@@ -58,7 +79,9 @@ from model.hybrid import HybridLM
 
 
 class ElasticStudent(nn.Module):
-    """The trained module: the student HybridLM and its BudgetRouter, run together in ``forward``."""
+    """The trained module: the student HybridLM and its BudgetRouter, run together in ``forward``; with the
+    teacher's hidden states it also computes the KD loss (so that, under ZeRO-3, the student's ``lm_head``
+    is gathered by the engine for the loss: the worker registers it as an external parameter of this module)."""
 
     def __init__(self, student: HybridLM, router: BudgetRouter, depth_order: list[int] | None = None) -> None:
         super().__init__()
@@ -67,25 +90,68 @@ class ElasticStudent(nn.Module):
         self.depth_order = depth_order
 
     def forward(
-        self, input_ids: Tensor, budget_vec: Tensor, step: int, total_steps: int, generator: torch.Generator
+        self,
+        input_ids: Tensor,
+        budget_vec: Tensor,
+        step: int,
+        total_steps: int,
+        generator: torch.Generator,
+        hard: bool | None = None,
+        teacher_hidden: Tensor | None = None,
+        teacher_head: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+        kd_chunk_tokens: int = DEFAULT_CHUNK,
     ) -> tuple[Tensor, RouterSample]:
-        """input_ids (batch, seq), budget_vec (n_budgets,) -> student logits (batch, seq, vocab) and the sample."""
-        sample = self.router(budget_vec, step, total_steps, generator=generator)
+        """input_ids (batch, seq), budget_vec (n_budgets,) -> student logits (batch, seq, vocab) and the sample;
+        with ``teacher_hidden`` (batch, seq, teacher hidden) and ``teacher_head`` (vocab, teacher hidden), the
+        float32 KD loss of the masked student against the teacher (``loss_mask`` (batch, seq)) and the sample.
+
+        ``step`` / ``total_steps``: the router schedule's global position; ``hard``: see :meth:`BudgetRouter.forward`;
+        ``kd_chunk_tokens``: token rows per chunk of :func:`chunked_kd_loss` (0: the reference :func:`kd_loss` on
+        full logits).
+        """
+        sample = self.router(budget_vec, step, total_steps, generator=generator, hard=hard)
         probs = {axis: p.to(self.student.lm_head.weight.dtype) for axis, p in sample.probs.items()}
         mask = soft_mask(self.student.config, probs, self.router.space, self.depth_order)
-        return self.student(input_ids, mask=mask).logits, sample
+        if teacher_hidden is None:
+            return self.student(input_ids, mask=mask).logits, sample
+        hidden = self.student(input_ids, mask=mask, skip_logits=True).hidden
+        if kd_chunk_tokens == 0:
+            logits = self.student.lm_head(hidden)
+            return kd_loss(logits, F.linear(teacher_hidden, teacher_head), loss_mask), sample
+        kd = chunked_kd_loss(
+            hidden, self.student.lm_head.weight, loss_mask=loss_mask, teacher_hidden=teacher_hidden,
+            teacher_lm_head_weight=teacher_head, chunk_size=kd_chunk_tokens,
+        )  # fmt: skip
+        return kd, sample
 
 
 # ---------------------------------------------------------------------- step pieces (no Ray, no DeepSpeed)
-def draw_budget(seed: int, phase: int, step: int, probs: list[float]) -> int:
-    """Index (largest budget first) of the budget trained at ``step``; the same on every rank."""
-    g = torch.Generator().manual_seed(derive_seed("budget", seed, phase, step))
+def draw_budget(seed: int, phase: int, step: int, probs: list[float], micro: int = 0) -> int:
+    """Index (largest budget first) of the budget trained in micro-batch ``micro`` of ``step``; the same on every
+    rank. Micro-batch 0 keeps the draw of a run without accumulation."""
+    key = derive_seed("budget", seed, phase, step) if micro == 0 else derive_seed("budget", seed, phase, step, micro)
+    g = torch.Generator().manual_seed(key)
     return int(torch.multinomial(torch.tensor(probs, dtype=torch.float64), 1, generator=g).item())
 
 
-def router_generator(seed: int, phase: int, step: int) -> torch.Generator:
-    """CPU generator of the router's Gumbel noise and hard-sample coin at ``step`` (same on every rank)."""
-    return torch.Generator().manual_seed(derive_seed("router", seed, phase, step))
+def router_generator(seed: int, phase: int, step: int, micro: int = 0, rank: int | None = None) -> torch.Generator:
+    """CPU generator of the router's Gumbel noise in micro-batch ``micro`` of ``step``.
+
+    With ``rank`` the noise is this rank's own (as in the method: every data-parallel rank draws its own
+    relaxed sample of the shared budget); ``rank=None`` gives one stream shared by every rank.
+    """
+    if rank is not None:
+        return torch.Generator().manual_seed(derive_seed("router", seed, phase, step, micro, "rank", rank))
+    key = derive_seed("router", seed, phase, step) if micro == 0 else derive_seed("router", seed, phase, step, micro)
+    return torch.Generator().manual_seed(key)
+
+
+def draw_hard_sample(seed: int, phase: int, step: int, micro: int, prob: float) -> bool:
+    """Whether micro-batch ``micro`` of ``step`` uses a hard straight-through router sample; the same on every
+    rank (one coin per micro-step, like the budget)."""
+    g = torch.Generator().manual_seed(derive_seed("hard", seed, phase, step, micro))
+    return bool(torch.rand((), generator=g).item() < prob)
 
 
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
@@ -111,18 +177,33 @@ def elastic_loss(
     space: ElasticSpace,
     depth_order: list[int] | None = None,
     dead_zone: float = 0.05,
+    full_total: int | None = None,
+    hard: bool | None = None,
+    kd_chunk_tokens: int = DEFAULT_CHUNK,
 ) -> tuple[Tensor, Tensor, BudgetLossOut, RouterSample]:
-    """(total loss, KD loss, budget loss, router sample) of one elastic step; ``model`` is an
-    :class:`ElasticStudent` or a DeepSpeed engine around one."""
+    """(total loss, KD loss, budget loss, router sample) of one elastic micro-batch; ``model`` is an
+    :class:`ElasticStudent` or a DeepSpeed engine around one, ``teacher`` the frozen HybridLM or its ZeRO-3
+    engine (:func:`build_teacher`). ``step`` / ``total_steps``: the router schedule's global position
+    (:meth:`RouterConfig.schedule_at`); ``full_total``: the parent's total parameters (counted when None);
+    ``hard``: force or forbid a hard router sample (None: the router's coin); ``kd_chunk_tokens``: see
+    :meth:`ElasticStudent.forward`.
+
+    The teacher sends its final hidden states (batch, seq, hidden), not logits; the loss applies both
+    ``lm_head`` weights chunk by chunk. Under ZeRO-3 the teacher's ``lm_head`` is gathered for the loss only.
+    """
     budget = budgets.budgets[budget_index]
+    teacher_lm = getattr(teacher, "module", teacher)  # the HybridLM inside a DeepSpeed engine
     with torch.no_grad():
-        teacher_logits = teacher(input_ids).logits
+        teacher_hidden = teacher(input_ids, skip_logits=True).hidden
     vec = budgets.one_hot(budget.name)
-    student_logits, sample = model(input_ids, vec, step, total_steps, generator)
-    kd = kd_loss(student_logits, teacher_logits, loss_mask)
+    head = teacher_lm.lm_head.weight
+    with zero3.gathered([head]):
+        kd, sample = model(
+            input_ids, vec, step, total_steps, generator, hard, teacher_hidden, head, loss_mask, kd_chunk_tokens
+        )
     bl = budget_loss(
-        teacher.config, space, sample.probs, budget.fraction, budget_index == 0,
-        dead_zone=dead_zone, depth_order=depth_order, full_active=full_active,
+        teacher_lm.config, space, sample.probs, budget, budget_index == 0,
+        dead_zone=dead_zone, depth_order=depth_order, full_active=full_active, full_total=full_total,
     )  # fmt: skip
     return kd + alpha * bl.loss.to(kd.dtype), kd, bl, sample
 
@@ -131,7 +212,8 @@ def param_groups(model: ElasticStudent, cfg: DistillConfig) -> list[dict[str, An
     """AdamW groups: decayed student matrices, undecayed student vectors/norms, router (router_lr, no decay)."""
     decay, no_decay = [], []
     for name, p in model.student.named_parameters():
-        (decay if p.ndim >= 2 and "norm" not in name else no_decay).append(p)
+        ndim = len(p.ds_shape) if zero3.is_partitioned(p) else p.ndim  # a ZeRO-3 parameter's data is a 1-D stub
+        (decay if ndim >= 2 and "norm" not in name else no_decay).append(p)
     groups = [
         {"params": decay, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "name": "weights"},
         {"params": no_decay, "lr": cfg.lr, "weight_decay": 0.0, "name": "weights_no_decay"},
@@ -140,14 +222,18 @@ def param_groups(model: ElasticStudent, cfg: DistillConfig) -> list[dict[str, An
     return [g for g in groups if g["params"]]
 
 
-def deepspeed_config(cfg: DistillConfig, world_size: int) -> dict[str, Any]:
-    """DeepSpeed engine settings: no accumulation, ZeRO stage and bf16 from the config, clip by norm."""
+def deepspeed_config(cfg: DistillConfig, world_size: int, model_config: HybridConfig | None = None) -> dict[str, Any]:
+    """DeepSpeed engine settings: ``grad_accum_steps`` micro-batches per update, ZeRO stage and bf16 from the config,
+    clip by norm. At ZeRO-3 with ``model_config``, buckets of one layer (:func:`zero3.zero3_settings`)."""
+    zero = {"stage": cfg.zero_stage}
+    if cfg.zero_stage == 3 and model_config is not None:
+        zero = zero3.zero3_settings(model_config)
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "train_batch_size": cfg.micro_batch_size * world_size,
-        "gradient_accumulation_steps": 1,
+        "train_batch_size": cfg.micro_batch_size * world_size * cfg.grad_accum_steps,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": cfg.bf16},
         "zero_allow_untested_optimizer": True,  # torch AdamW as the client optimizer
         "steps_per_print": 10**9,
@@ -155,14 +241,76 @@ def deepspeed_config(cfg: DistillConfig, world_size: int) -> dict[str, Any]:
     }
 
 
+def training_dtype(cfg: DistillConfig) -> torch.dtype:
+    """bfloat16 when ``cfg.bf16``, else float32: the dtype of the weights, the teacher and the phase output."""
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def build_teacher(
+    cfg: DistillConfig, teacher_dir: Path, model_config: HybridConfig, device: torch.device, world_size: int
+) -> nn.Module:
+    """The frozen teacher in the training dtype. ZeRO-3: partitioned as it is built and run as its own ZeRO-3
+    engine without an optimizer (a rank holds ``1 / world_size`` of it plus the layers being computed);
+    below ZeRO-3 every rank holds it whole (the student's weights are replicated there too)."""
+    dtype = training_dtype(cfg)
+    if cfg.zero_stage < 3:
+        return HybridLM.from_pretrained(teacher_dir, dtype=dtype).requires_grad_(False).eval().to(device)
+    ds = deepspeed_config(cfg, world_size, model_config)
+    return zero3.teacher_engine(zero3.load_hybrid(teacher_dir, model_config, dtype, ds), ds)
+
+
+def build_student(
+    cfg: DistillConfig, model_config: HybridConfig, init_dir: Path, device: torch.device, world_size: int
+) -> ElasticStudent:
+    """The trained module from ``init_dir`` (the teacher in phase 1, phase 1's output in phase 2), in the training
+    dtype. ZeRO-3: the student is built under ``zero.Init`` and each rank loads its slices (no rank holds it
+    whole), and its ``lm_head`` is registered with the module that uses it in the loss; the small router is
+    built whole and partitioned by ``deepspeed.initialize``."""
+    dtype = training_dtype(cfg)
+    ds = deepspeed_config(cfg, world_size, model_config) if cfg.zero_stage == 3 else None
+    student = zero3.load_hybrid(init_dir, model_config, dtype, ds)
+    student.gradient_checkpointing = cfg.activation_checkpointing
+    if ds is None:
+        student.to(device)
+    router = BudgetRouter(model_config, cfg.space, cfg.budget_set, cfg.router)
+    if cfg.init_from:
+        router.load_state_dict(load_file(str(Path(init_dir) / ckpt.ROUTER_FILE)))
+    model = ElasticStudent(student, router.to(device=device, dtype=dtype), cfg.depth_order)
+    if ds is not None:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, student.lm_head.weight)
+    return model
+
+
+def build_engine(
+    cfg: DistillConfig, model: ElasticStudent, world_size: int, model_config: HybridConfig
+) -> tuple[Any, list[float]]:
+    """(DeepSpeed engine around ``model`` with torch AdamW over :func:`param_groups`, the groups' peak lrs).
+    The engine loads checkpoints without pickles (:func:`ckpt.install_safe_loader`)."""
+    import deepspeed
+
+    groups = param_groups(model, cfg)
+    base_lrs = [g["lr"] for g in groups]
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95))
+    ds = deepspeed_config(cfg, world_size, model_config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    zero3.share_fp32_master(engine)  # float32 ZeRO-3: no second copy of the weight partitions
+    ckpt.install_safe_loader(engine)
+    zero3.trim_host_heap()  # the copies made while building and loading are freed; give them back
+    return engine, base_lrs
+
+
 @torch.no_grad()
 def router_report(
     router: BudgetRouter, budgets: BudgetSet, cfg: DistillConfig, config: HybridConfig, step: int, full: int
 ) -> dict[str, float]:
     """Noise-free router state per budget: probabilities ``softmax(scale * logits / tau)`` per axis
-    (averaged over layers for per-layer choices) and the expected active / total parameters."""
+    (averaged over layers for per-layer choices), the expected active / total parameters and their ratios to
+    the stated targets. ``step``: this run's step (the schedule's global position is derived from it)."""
     out: dict[str, float] = {}
-    tau, scale = router.tau(step, cfg.steps), router.scale(step, cfg.steps)
+    at = cfg.router.schedule_at(step, cfg.steps)
+    tau, scale = router.tau(*at), router.scale(*at)
     for i, b in enumerate(budgets.budgets):
         logits = router.logits(budgets.one_hot(b.name))
         probs = {axis: torch.softmax(scale * z.float() / tau, dim=-1) for axis, z in logits.items()}
@@ -170,10 +318,11 @@ def router_report(
             row = p.reshape(-1, p.shape[-1]).mean(0)
             for k, v in enumerate(row.tolist()):
                 out[f"router/{b.name}/{axis}/p{k}"] = v
-        bl = budget_loss(config, cfg.space, probs, b.fraction, i == 0, depth_order=cfg.depth_order, full_active=full)
+        bl = budget_loss(config, cfg.space, probs, b, i == 0, depth_order=cfg.depth_order, full_active=full)
         out[f"params/{b.name}/expected_active"] = float(bl.expected_active)
         out[f"params/{b.name}/expected_total"] = float(bl.expected_total)
-        out[f"params/{b.name}/active_ratio"] = float(bl.ratio)
+        for kind, ratio in bl.ratios.items():
+            out[f"params/{b.name}/{kind}_ratio"] = float(ratio)
     return out
 
 
@@ -199,8 +348,12 @@ def _fmt_eta(seconds: float) -> str:
 # ---------------------------------------------------------------------- the Ray Train loop
 def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - one linear training loop
     """Entry point of every Ray Train worker (``train_loop_config`` is the dumped :class:`DistillConfig`)."""
+    import logging
+
     import ray.train
     import ray.train.torch
+
+    logging.getLogger().setLevel(logging.WARNING)  # Ray Train's INFO report lines would repeat on every rank
 
     cfg = DistillConfig.model_validate(raw_config)
     context = ray.train.get_context()
@@ -216,39 +369,21 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
     from components.tracking import NullTracker, tracker_for_worker
 
     teacher_dir = materialize(cfg.teacher_uri)
-    tokenizer = CharTokenizer.load(teacher_dir)
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    teacher = HybridLM.from_pretrained(teacher_dir).requires_grad_(False).eval().to(device=device, dtype=dtype)
-    model_config = teacher.config
+    tokenizer = TextTokenizer.load(teacher_dir, cfg.markers)
+    model_config = read_config(teacher_dir)[0]
     budgets = cfg.budget_set
-    full_active = count_params(model_config).active
+    full_active, full_total = count_params(model_config).active, count_params(model_config).total
 
+    teacher = build_teacher(cfg, teacher_dir, model_config, device, world)
     init_dir = materialize(cfg.init_from) if cfg.init_from else teacher_dir
-    student = HybridLM.from_pretrained(init_dir)
-    router = BudgetRouter(model_config, cfg.space, budgets, cfg.router)
-    if cfg.init_from:
-        router.load_state_dict(load_file(str(Path(init_dir) / ckpt.ROUTER_FILE)))
-    model = ElasticStudent(student, router, cfg.depth_order)
+    engine, base_lrs = build_engine(cfg, build_student(cfg, model_config, init_dir, device, world), world, model_config)
 
     state = ckpt.TrainState(world_size=world, zero_stage=cfg.zero_stage, phase=cfg.phase)
-    restored: ckpt.Restored | None = None
     resume = ray.train.get_checkpoint()  # the latest checkpoint after a worker-group restart, else None
-    if resume is not None:
-        with resume.as_directory() as folder:
-            restored = ckpt.read_checkpoint(Path(folder), rank)
-        state = restored.state.model_copy(update={"attempt": restored.state.attempt + 1})
-        model.student.load_state_dict(restored.student)
-        model.router.load_state_dict(restored.router)
-
-    model.to(device)
-    base_groups = param_groups(model, cfg)
-    base_lrs = [g["lr"] for g in base_groups]
-    optimizer = torch.optim.AdamW(base_groups, betas=(0.9, 0.95))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, world))
-    if restored is not None:
-        ckpt.restore_optimizer(engine.optimizer, restored, rank, world, cfg.zero_stage)
-        restored = None  # drop the in-memory copies
-    state.world_size, state.zero_stage = world, cfg.zero_stage
+    if resume is not None:  # this rank's shard only: weights, float32 master weights, optimizer moments
+        with ckpt.fetch(resume, lambda relative: ckpt.rank_needs(relative, rank)) as folder:
+            saved = ckpt.load_checkpoint(engine, folder, world, cfg.zero_stage)
+        state = saved.model_copy(update={"attempt": saved.attempt + 1})
 
     tracker = tracker_for_worker(cfg.tracking_uri, cfg.run_id, cfg.experiment) if rank == 0 else NullTracker()
     if rank == 0 and state.attempt == 0:
@@ -262,15 +397,15 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
     probs = cfg.sampling_probs
     n_b = len(budgets)
     acc = torch.zeros(n_b, 3, dtype=torch.float64)  # per budget since the last log: sum kd, sum budget loss, count
-    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * world
+    data_counts = [0, 0]  # this rank's overlong rows since the start of this attempt: truncated, dropped
+    accum = cfg.grad_accum_steps
+    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * world * accum
     start_step, loop_start = state.next_step, time.perf_counter()
     seconds_before = state.train_seconds
 
     def save_and_report(metrics: dict[str, float], commit: bool) -> None:
-        with ckpt.gathered(engine.module, cfg.zero_stage), tempfile.TemporaryDirectory() as tmp:
-            student_sd = ckpt.cpu_state(engine.module.student) if rank == 0 else None
-            router_sd = ckpt.cpu_state(engine.module.router) if rank == 0 else None
-            ckpt.save_checkpoint(Path(tmp), rank, state, student_sd, router_sd, engine.optimizer)
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt.save_checkpoint(engine, Path(tmp), rank, state)  # every rank its own shard; nothing gathered
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step_{state.next_step:08d}")
         if commit:
@@ -286,19 +421,26 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
         factor = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         for group, base in zip(engine.optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * factor
-        b_idx = draw_budget(cfg.seed, cfg.phase, step, probs)
-        batch = make_batch(
-            cfg.data, tokenizer, cfg.micro_batch_size, cfg.seq_len, stream_seed, step * world + rank,
-            pack=cfg.packed, exclude=excluded,
-        ).to(device)  # fmt: skip
-        loss, kd, bl, sample = elastic_loss(
-            engine, teacher, batch.input_ids, batch.loss_mask, budgets, b_idx, step, cfg.steps,
-            router_generator(cfg.seed, cfg.phase, step), cfg.alpha, full_active, cfg.space, cfg.depth_order,
-            cfg.dead_zone,
-        )  # fmt: skip
-        engine.backward(loss)
-        engine.step()
-        acc[b_idx] += torch.tensor([kd.item(), bl.loss.item(), 1.0], dtype=torch.float64)
+        g_step, g_total = cfg.router.schedule_at(step, cfg.steps)  # the router schedule spans both phases
+        for micro in range(accum):  # one budget per micro-batch: an update mixes budgets
+            b_idx = draw_budget(cfg.seed, cfg.phase, step, probs, micro)
+            batch = make_data_batch(
+                cfg.data, tokenizer, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=stream_seed,
+                phase=f"distill{cfg.phase}", step=step * accum + micro, rank=rank, world=world, exclude=excluded,
+            )  # fmt: skip
+            data_counts[0] += batch.n_truncated
+            data_counts[1] += batch.n_dropped
+            batch = batch.to(device)
+            loss, kd, bl, sample = elastic_loss(
+                engine, teacher, batch.input_ids, batch.loss_mask, budgets, b_idx, g_step, g_total,
+                router_generator(cfg.seed, cfg.phase, step, micro, rank), cfg.alpha, full_active, cfg.space,
+                cfg.depth_order, cfg.dead_zone, full_total,
+                draw_hard_sample(cfg.seed, cfg.phase, step, micro, cfg.router.hard_sample_prob),
+                cfg.kd_chunk_tokens,
+            )  # fmt: skip
+            engine.backward(loss)  # scaled by 1 / accum; the update happens at the last micro-batch
+            engine.step()
+            acc[b_idx] += torch.tensor([kd.item(), bl.loss.item(), 1.0], dtype=torch.float64)
         state.next_step = step + 1
         state.tokens_seen += tokens_per_step
         state.train_seconds = seconds_before + time.perf_counter() - loop_start
@@ -308,7 +450,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
             reduced = acc.to(device)  # NCCL reduces device tensors only
             dist.all_reduce(reduced)  # sums over ranks; counts are identical on every rank
             acc.copy_(reduced.cpu())
-            with ckpt.gathered(engine.module.router, cfg.zero_stage):
+            with zero3.gathered(engine.module.router.parameters()):
                 routed = router_report(engine.module.router, budgets, cfg, model_config, step, full_active)
             count = acc[:, 2].clamp_min(1.0)
             n_steps = acc[:, 2].sum().item() / world
@@ -325,6 +467,8 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
                 "tokens_per_s": rate,
                 "tokens_seen": float(state.tokens_seen),
                 "attempt": float(state.attempt),
+                "data/truncated_rows_rank0": float(data_counts[0]),
+                "data/dropped_rows_rank0": float(data_counts[1]),
             }
             row["loss"] = row["kd"] + cfg.alpha * row["budget_loss"]
             for i, b in enumerate(budgets.budgets):
