@@ -84,3 +84,27 @@ def serve_http(ray_runtime):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
     serve.shutdown()
+
+
+# ---------------------------------------------------------------------- DeepSpeed outside Ray
+@pytest.fixture(scope="module")
+def single_process_group():
+    """A one-rank gloo process group in this process, for DeepSpeed engines outside Ray."""
+    import os
+
+    import torch.distributed as dist
+
+    from tests.conftest import free_port
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield deepspeed
+    if created:  # leave no process group behind for later tests in this session, nor DeepSpeed's copies of it
+        deepspeed.comm.destroy_process_group()

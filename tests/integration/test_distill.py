@@ -246,29 +246,6 @@ def test_phase2_starts_from_phase1_and_exports(phase1, parent_dir, tmp_path, s3_
     assert (nested / "tokenizer.json").exists()
 
 
-@pytest.fixture(scope="module")
-def single_process_group():
-    """A one-rank gloo process group in this process, for DeepSpeed engines outside Ray."""
-    import os
-
-    import torch.distributed as dist
-
-    from tests.conftest import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield deepspeed
-    if created:  # leave no process group behind for later tests in this session, nor DeepSpeed's copies of it
-        deepspeed.comm.destroy_process_group()
-
-
 def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir, tmp_path):
     """ZeRO-3 + bf16 (the Ray tests cover float32): save after 2 steps in DeepSpeed's format, rebuild fresh
     engines from the parent, load the shard, and the next steps' losses match exactly (the float32 master

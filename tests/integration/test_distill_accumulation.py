@@ -32,29 +32,6 @@ from tests.conftest import TINY
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def single_process_group():
-    """A one-rank gloo process group in this process, for DeepSpeed engines outside Ray."""
-    import os
-
-    import torch.distributed as dist
-
-    from tests.conftest import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    import deepspeed
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield deepspeed
-    if created:
-        dist.destroy_process_group()
-
-
 def test_one_update_mixes_the_budgets_of_its_micro_batches(single_process_group, tmp_path: Path):
     deepspeed = single_process_group
     tok = TextTokenizer(build_demo_tokenizer())
