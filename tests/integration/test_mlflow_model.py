@@ -49,9 +49,12 @@ def registered(mlflow_server, tiny_nested_checkpoint, tmp_path_factory):
     )
     with MlflowTracker(mlflow_server, "pyfunc-test", run_name="register") as tracker:
         out = run_register(cfg, tracker)
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     mlflow.set_tracking_uri(mlflow_server)
     mlflow.set_registry_uri(mlflow_server)
-    return {"out": out, "budgets": budgets, "fp8": Path(fp8), "run_id": tracker.run_id}
+    yield {"out": out, "budgets": budgets, "fp8": Path(fp8), "run_id": tracker.run_id}
+    mlflow.set_tracking_uri(before[0])  # process-wide settings: later tests must not inherit this server
+    mlflow.set_registry_uri(before[1])
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,8 @@ def test_serve_finds_the_model_in_the_pipelines_store(tmp_path, monkeypatch, cap
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    store = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    client = MlflowClient(store, registry_uri=store)  # never a registry another test left set process-wide
     client.create_registered_model("star-elastic-demo")
     capsys.readouterr()  # MLflow's own lines from creating the store
     assert main(["serve", "models:/star-elastic-demo@champion"]) == 2
