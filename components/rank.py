@@ -138,7 +138,14 @@ def calibration_batch(cal: CalibrationConfig, tok: TextTokenizer, index: int, ex
 
 
 def calibrate_share(
-    parent_uri: str, cal: dict[str, Any], indices: list[int], axes: list[str], threads: int, device: str, tag: str
+    parent_uri: str,
+    cal: dict[str, Any],
+    indices: list[int],
+    axes: list[str],
+    threads: int,
+    device: str,
+    tag: str,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """One Ray task: calibrate the parent on batches ``indices``; returns an accumulator state dict."""
     from components.storage import materialize
@@ -154,7 +161,7 @@ def calibrate_share(
     start = time.perf_counter()
     for n, index in enumerate(indices, 1):
         calibrate(model, [calibration_batch(cfg, tok, index, exclude)], axes, progress=False, acc=acc)
-        if n % max(1, len(indices) // 4) == 0 or n == len(indices):
+        if progress and (n % max(1, len(indices) // 4) == 0 or n == len(indices)):
             rate = n / (time.perf_counter() - start)
             print(f"[rank {tag}] {n}/{len(indices)} batches, {rate:.2f} batch/s", flush=True)
     return acc.state_dict()
@@ -171,7 +178,10 @@ def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
     device = "cuda" if config.gpus_per_task > 0 else "cpu"
     task = ray.remote(calibrate_share).options(num_cpus=config.cpus_per_task, num_gpus=config.gpus_per_task)
     args = (config.parent_uri, cal.model_dump(), list(config.axes), config.cpus_per_task, device)
-    refs = {task.remote(args[0], args[1], share, *args[2:], tag=str(t)): len(share) for t, share in enumerate(shares)}
+    refs = {
+        task.remote(args[0], args[1], share, *args[2:], tag=str(t), progress=config.progress): len(share)
+        for t, share in enumerate(shares)
+    }
     acc = ImportanceAccumulator()
     done_batches, start, pending = 0, time.perf_counter(), list(refs)
     total = len(indices)
