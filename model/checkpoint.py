@@ -15,21 +15,20 @@ Only safetensors are read: nothing is ever unpickled. Tensors are read one at a 
 (:func:`iter_views` / :func:`iter_tensors`) and each is copied once, per-expert tensors
 straight into their stacked tensor, so loading holds one copy of the weights, not two.
 
-Saving writes into a temporary sibling folder and renames it into place, so a
-crash never leaves a half-written checkpoint; ``manifest.json`` records the
-SHA-256 of every file and is verified on load when present (a folder written by
-transformers has none and loads unchecked).
+Saving (:func:`write_checkpoint`) publishes the folder atomically (:mod:`model.atomic`), so a
+crash never leaves a half-written checkpoint; ``manifest.json`` records the SHA-256 of every
+file and is verified on load when present (a folder written by transformers has none and
+loads unchecked).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from model.atomic import publish_folder
 from model.config import HybridConfig, read_hf_json
 
 WEIGHTS_NAME = "model.safetensors"
@@ -91,22 +91,19 @@ def verify_manifest(folder: Path) -> None:
 
 # ---------------------------------------------------------------------- atomic folders
 def atomic_folder(target: Path) -> tuple[Path, Callable[[], Path]]:
-    """A temporary sibling of ``target`` and a ``commit()`` that swaps it into place."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    """:func:`~model.atomic.publish_folder` in two steps: ``(staging folder, commit)``.
+
+    ``commit()`` publishes the staging folder as ``target``; a caller that fails before it removes the
+    staging folder itself. New code uses :func:`~model.atomic.publish_folder` or :func:`write_checkpoint`.
+    """
+    stack = ExitStack()
+    staging = stack.enter_context(publish_folder(target))
 
     def commit() -> Path:
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-        return target
+        stack.close()
+        return Path(target)
 
-    return tmp, commit
+    return staging, commit
 
 
 # ---------------------------------------------------------------------- key mapping
@@ -362,6 +359,31 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None):
     return model.eval()
 
 
+def write_checkpoint(
+    path: str | Path,
+    tensors: dict[str, Tensor],
+    config: HybridConfig,
+    metadata: dict[str, str] | None = None,
+    extra_config: dict[str, Any] | None = None,
+    extra_files: Mapping[str, Path] | None = None,
+) -> Path:
+    """Publish ``model.safetensors``, ``config.json``, ``extra_files`` and ``manifest.json`` as one folder, atomically.
+
+    ``tensors`` (file key -> CPU contiguous tensor) are written as given, with ``metadata`` added to the
+    safetensors header beside ``format: pt``; ``extra_config`` keys are added to ``config.json``;
+    ``extra_files`` (name -> source path, e.g. the tokenizer) are copied in before hashing, so the
+    manifest covers every file. An existing ``path`` is replaced only once the new folder is complete
+    (:func:`~model.atomic.publish_folder`).
+    """
+    with publish_folder(path) as staging:
+        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
+        config.to_json_file(staging / CONFIG_NAME, extra=extra_config)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, staging / name)
+        write_manifest(staging)
+    return Path(path)
+
+
 def save_model(
     model,
     path: str | Path,
@@ -375,17 +397,6 @@ def save_model(
     ``extra_files`` (name -> source path) are copied in too (e.g. the tokenizer), before
     hashing, so the manifest covers them.
     """
-    target = Path(path)
-    tmp, commit = atomic_folder(target)
-    try:
-        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        tensors = from_canonical(state, prefix, expert_layout)
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        model.config.to_json_file(tmp / CONFIG_NAME, extra=extra_config)
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
-        write_manifest(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return commit()
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    tensors = from_canonical(state, prefix, expert_layout)
+    return write_checkpoint(path, tensors, model.config, extra_config=extra_config, extra_files=extra_files)

@@ -42,25 +42,21 @@ Design choices:
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from model.checkpoint import (
     CONFIG_NAME,
-    WEIGHTS_NAME,
     CheckpointError,
-    atomic_folder,
     check_state,
     load_model,
     read_tensors,
     verify_manifest,
-    write_manifest,
+    write_checkpoint,
 )
 from model.config import HybridConfig
 from model.hybrid import HybridLM
@@ -326,22 +322,19 @@ def quantize_checkpoint(
         amax = calibrate_input_amax(model, batches, masks, preset_obj)
     quantize_model(model, fmt, preset_obj, amax)
     qconfig = quantization_config(fmt, kept_dense_names(model), preset_obj.name)
-    tmp, commit = atomic_folder(Path(out_dir))
-    try:
-        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        if dense_dtype is not None:
-            state = {k: _to_compute_dtype(k, v, dense_dtype) for k, v in state.items()}
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "quant_algo": QUANT_ALGOS[fmt]})
-        config.to_json_file(tmp / CONFIG_NAME, extra={"quantization_config": qconfig})
-        from model.elastic.export import tokenizer_files
+    from model.elastic.export import tokenizer_files
 
-        for name, path in tokenizer_files(src).items():
-            shutil.copyfile(path, tmp / name)
-        write_manifest(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return commit()
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if dense_dtype is not None:
+        state = {k: _to_compute_dtype(k, v, dense_dtype) for k, v in state.items()}
+    return write_checkpoint(
+        out_dir,
+        state,
+        config,
+        metadata={"quant_algo": QUANT_ALGOS[fmt]},
+        extra_config={"quantization_config": qconfig},
+        extra_files=tokenizer_files(src),
+    )
 
 
 # ---------------------------------------------------------------------- loading

@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, CheckpointError, atomic_folder, verify_manifest, write_manifest
+from model.checkpoint import CONFIG_NAME, CheckpointError, verify_manifest, write_checkpoint
 from model.config import HybridConfig
 from model.elastic.arch import Architecture, ResolvedArch
 from model.elastic.slicing import extract_config, grouped_heads, head_channels
@@ -392,17 +390,14 @@ def extract_quantized_budget(quant_dir: str | Path, budget_name: str, out_dir: s
     for key in ("ignore", "exclude_modules"):
         if key in qc:
             qc[key] = _renumber_ignore(qc[key], res)
-    tmp, commit = atomic_folder(Path(out_dir))
-    try:
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "quant_algo": str(qc["quant_algo"])})
-        new_config.to_json_file(tmp / CONFIG_NAME, extra={"quantization_config": qc})
-        for name, path in tokenizer_files(src).items():
-            shutil.copyfile(path, tmp / name)
-        write_manifest(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return commit()
+    return write_checkpoint(
+        out_dir,
+        state,
+        new_config,
+        metadata={"quant_algo": str(qc["quant_algo"])},
+        extra_config={"quantization_config": qc},
+        extra_files=tokenizer_files(src),
+    )
 
 
 def load_quantized_budget(
