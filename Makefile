@@ -7,7 +7,7 @@ CONFIG ?= pipelines/configs/demo.yaml
 PORT   ?= 8000
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast run serve bench lint format ui kfp parent example clean
+.PHONY: install test test-fast run serve bench lint format ui kfp manifests parent example clean
 
 install: $(STAMP)
 
@@ -54,6 +54,10 @@ example: install
 
 kfp: install
 	$(BIN)/star-elastic kfp compile $(CONFIG) --out infra/kfp/demo-pipeline.yaml
+
+# The KubeRay and MLflow manifests of infra/k8s, rendered from pipelines/kuberay/.
+manifests: install
+	$(BIN)/star-elastic kuberay render infra/k8s
 
 ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --artifacts-destination runs/mlartifacts --port 5000

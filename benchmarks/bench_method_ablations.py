@@ -166,9 +166,12 @@ def train(variant: Variant, args: argparse.Namespace) -> Path:
     command = [sys.executable, "-m", "pipelines.cli", "run", str(config), *(a for s in STAGES for a in ("--only", s))]
     print(f"{variant.name}: {shlex.join(command)} (in {src})", flush=True)
     env = {**os.environ, "PYTHONPATH": str(src)}  # the copy's code, for the driver and Ray's workers alike
-    if subprocess.call(command, cwd=src, env=env):
-        raise SystemExit(f"{variant.name}: the pipeline failed; its log is above")
-    return run_dir
+    for attempt in range(1, args.attempts + 1):
+        # a busy machine can time out Ray's start-up; the runner resumes the stages already done
+        if subprocess.call(command, cwd=src, env=env) == 0:
+            return run_dir
+        print(f"{variant.name}: the pipeline failed (attempt {attempt} of {args.attempts})", flush=True)
+    raise SystemExit(f"{variant.name}: the pipeline failed {args.attempts} times")
 
 
 def stage_seconds(run_dir: Path) -> float:
@@ -228,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--base-run", default="runs/demo", help="the demo run with every change (make run)")
     ap.add_argument("--runs-dir", default="runs/ablations")
     ap.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS], choices=[v.name for v in VARIANTS])
+    ap.add_argument("--attempts", type=int, default=3, help="runs of a variant's pipeline before giving up")
     ap.add_argument("--per-level", type=int, nargs="+", default=[30, 100])
     ap.add_argument("--results", default=None, help="write (or replace) this benchmark's section in this file")
     ap.add_argument("--json", default="runs/bench_method_ablations.json")

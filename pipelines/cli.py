@@ -19,19 +19,27 @@ def _load_yaml(path: str | None) -> dict:
 
 
 def _cmd_parent_train(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from components.parent import ParentTrainConfig, train_parent
     from components.tracking import make_tracker
+    from pipelines.config import ConfigError, PipelineConfig, describe
 
     raw = _load_yaml(args.config)
+    prefix: tuple[str, ...] = ()
     if "parent" in raw:  # a pipeline YAML: its parent.train section
-        raw = dict((raw["parent"] or {}).get("train") or {})
+        raw, prefix = dict((raw["parent"] or {}).get("train") or {}), ("parent", "train")
     if args.out:
         raw["output_dir"] = args.out
     if args.steps:
         raw["steps"] = args.steps
     if args.threads:
         raw["threads"] = args.threads
-    cfg = ParentTrainConfig(**raw)
+    try:
+        cfg = ParentTrainConfig(**raw)
+    except ValidationError as err:  # one line per problem, at its path in the pipeline YAML
+        model = PipelineConfig if prefix else ParentTrainConfig  # the class the paths start from
+        raise ConfigError(args.config or "parent train", describe(err, prefix, model)) from None
     tracker = make_tracker(args.tracking_uri, "star-elastic-parent", run_name="parent-train")
     metrics = train_parent(cfg, tracker)
     tracker.finish()
@@ -115,12 +123,58 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_kfp_compile(args: argparse.Namespace) -> int:
-    from components.kuberay import demo_cluster_config, real_cluster_config
     from pipelines.kfp_pipeline import compile_pipeline
+    from pipelines.kuberay.render import cluster_config
 
-    make = real_cluster_config if args.cluster == "real" else demo_cluster_config
-    out = compile_pipeline(args.config, args.out, make(args.registry, args.namespace))
+    out = compile_pipeline(args.config, args.out, cluster_config(args.cluster, args.registry, args.namespace))
     print(f"wrote Kubeflow pipeline {out}")
+    return 0
+
+
+def _cmd_kfp_run_stage(args: argparse.Namespace) -> int:
+    """One stage by itself, as a Kubeflow step's RayJob runs it: upstream pulled, output published."""
+    import base64
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from pipelines.kfp_components import DEFAULT_STAGES_MODULE, run_stage_only
+    from pipelines.runner import StageFailed
+
+    if args.workdir:
+        os.chdir(args.workdir)  # before reading --config: relative paths resolve where the stages run
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(args.config) if args.config else Path(tmp) / "config.yaml"
+        if args.config_b64:
+            path.write_text(base64.b64decode(args.config_b64).decode())
+        try:
+            result = run_stage_only(
+                path,
+                args.stage,
+                args.set or [],
+                stages_module=args.stages_module or DEFAULT_STAGES_MODULE,
+                storage_uri=args.storage_uri,
+                run_key=args.run_key,
+                tracking=not args.no_tracking,
+                upstream=args.upstream,
+                config_file=args.config,
+            )
+        except StageFailed as err:
+            print(f"star-elastic: stage {args.stage!r} failed: {err}", file=sys.stderr)
+            return 1
+    print(json.dumps({"stage": result.stage, "status": result.status, "uri": result.uri}))
+    return 0
+
+
+def _cmd_kfp_rbac(args: argparse.Namespace) -> int:
+    from pipelines.kfp_pipeline import rbac_yaml
+
+    text = rbac_yaml(
+        namespace=args.namespace,
+        service_account=args.service_account,
+        service_account_namespace=args.service_account_namespace,
+    )
+    print(text, end="")
     return 0
 
 
@@ -143,7 +197,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from components.kuberay.config import DEFAULT_NAMESPACE
+    from pipelines.kuberay.config import DEFAULT_NAMESPACE
 
     parser = argparse.ArgumentParser(prog="star-elastic", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,13 +242,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     kfp = sub.add_parser("kfp", help="Kubeflow Pipelines")
     ksub = kfp.add_subparsers(dest="kfp_command", required=True)
-    kcompile = ksub.add_parser("compile", help="compile the DAG to a KFP v2 YAML (each step submits a RayJob)")
-    kcompile.add_argument("config", help="pipeline YAML")
-    kcompile.add_argument("--out", default="pipeline.yaml", help="output YAML path")
+    kcompile = ksub.add_parser(
+        "compile", help="compile the DAG to a KFP v2 YAML (each step submits a RayJob; one parameter per config key)"
+    )
+    kcompile.add_argument("config", help="pipeline YAML: its values become the parameters' defaults")
+    kcompile.add_argument("--out", default="pipeline.yaml", help="output YAML path (default pipeline.yaml)")
     kcompile.add_argument("--cluster", choices=["demo", "real"], default="demo", help="cluster shape for the RayJobs")
     kcompile.add_argument("--registry", default="", help="image registry prefix, e.g. ghcr.io/acme")
     kcompile.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace the RayJobs are created in")
     kcompile.set_defaults(func=_cmd_kfp_compile)
+    kstage = ksub.add_parser(
+        "run-stage", help="run one stage by itself, as a step's RayJob does (pull upstream stages, publish its own)"
+    )
+    kstage.add_argument("stage", help="the stage to run; every stage upstream of it must be finished")
+    source = kstage.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="pipeline YAML file")
+    source.add_argument("--config-b64", help="pipeline YAML, base64-encoded (how a RayJob receives it)")
+    kstage.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
+    kstage.add_argument("--workdir", help="change to this folder first (relative config paths resolve there)")
+    kstage.add_argument("--storage-uri", help="storage root to pull upstream stages from and publish to")
+    kstage.add_argument("--stages-module", help="module or .py file of the stages (default pipelines.stages)")
+    kstage.add_argument("--run-key", help="groups the MLflow runs of one pipeline execution under one parent run")
+    kstage.add_argument("--no-tracking", action="store_true", help="log nothing to MLflow")
+    kstage.add_argument("--upstream", action="append", help="URI of a direct upstream stage (repeatable)")
+    kstage.set_defaults(func=_cmd_kfp_run_stage)
+    krbac = ksub.add_parser("rbac", help="print the Role + RoleBinding that let the steps manage RayJobs")
+    krbac.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace the RayJobs are created in")
+    krbac.add_argument("--service-account", default="pipeline-runner", help="service account the steps run as")
+    krbac.add_argument("--service-account-namespace", default="kubeflow", help="namespace of that service account")
+    krbac.set_defaults(func=_cmd_kfp_rbac)
+
+    from pipelines.kuberay.cli import add_kuberay_parser
+
+    add_kuberay_parser(sub)
 
     serve_p = sub.add_parser("serve", help="serve every budget of one checkpoint (OpenAI-compatible, Ray Serve)")
     serve_p.add_argument("model_uri", help="nested checkpoint folder, s3://... or models:/NAME@champion")
@@ -228,5 +308,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":  # pragma: no cover - the console script calls main(); this serves `python -m`
     sys.exit(main())

@@ -2,12 +2,13 @@
 
 Design choices:
 
-* Every section is typed with its stage's own config class, so YAML, ``--set`` and ``--dry-run``
-  share one definition. A section is the stage class minus the fields the pipeline fills in
-  (:data:`FILLED`: upstream folders, the elastic space, ...); those are refused in the YAML with
-  the place they come from. Field types, bounds and field validators are the stage class's own;
-  its cross-field checks run when the stage's config is built from the section, which
-  ``--dry-run`` and ``run`` do for every stage before anything starts (:mod:`pipelines.preflight`).
+* Every section is typed with its stage's own config class, so YAML, ``--set``, ``--dry-run`` and
+  the Kubeflow pipeline's parameters (:mod:`pipelines.kfp_params`) share one definition. A
+  section is the stage class minus the fields the pipeline fills in (:data:`FILLED`: upstream
+  folders, the elastic space, ...); those are refused in the YAML with the place they come from.
+  Field types, bounds and field validators are the stage class's own; its cross-field checks run
+  when the stage's config is built from the section, which ``--dry-run`` and ``run`` do for every
+  stage before anything starts (:mod:`pipelines.preflight`).
 * Every problem is one line ``yaml.path: message``; :class:`ConfigError` carries the list.
   YAML syntax errors and repeated keys name the file, line and column.
 """
@@ -41,6 +42,7 @@ from components.quantize import QuantizeConfig
 from components.rank import RankConfig
 from components.register import RegisterConfig
 from components.serving.config import ServingConfig
+from components.stage_task import TaskResources
 from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.space import AXES, ElasticSpace
 
@@ -67,6 +69,11 @@ class ExportStageConfig(BaseModel):
         "argmax",
         description="Architecture per budget: the router's argmax (the method), or 'feasible': the on-target "
         "architecture nearest the argmax (for a router that saturated off target).",
+    )
+    resources: TaskResources = Field(
+        default_factory=TaskResources,
+        description="The Ray task that writes the checkpoint (components.stage_task.TaskResources); it copies "
+        "the weights tensor by tensor, so it needs CPU and the largest tensor's memory, no GPU.",
     )
 
 

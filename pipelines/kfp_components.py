@@ -12,14 +12,14 @@ Design choices:
 - A step passes the URIs of its direct upstream stages; they are checked against the stage list, so
   a compiled pipeline older than the stage list fails loudly instead of running a different DAG.
 - Every stage of one Kubeflow run logs under one MLflow parent run, found by a tag holding the run's id.
-- ``python -m pipelines.kfp_components STAGE ...`` is the entrypoint of a stage's RayJob.
+- ``star-elastic kfp run-stage STAGE ...`` (:func:`run_stage_only`) is the entrypoint of a stage's RayJob.
+- The pipeline's MLflow parent run carries the same source tags as one of ``star-elastic run``
+  (:func:`pipelines.run.pipeline_tags`: commit, config hash, run folder).
 - Nothing heavy is imported at module level (torch comes with the config, when it is loaded).
 """
 
 from __future__ import annotations
 
-import argparse
-import base64
 import hashlib
 import importlib
 import importlib.util
@@ -28,14 +28,11 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from pipelines.runner import MARKER, PipelineRunner, StageContext, StageFailed, StageSpec, topological
 
@@ -214,11 +211,12 @@ def find_pipeline_run(client: Any, experiment: str, run_key: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def _pipeline_tracker(cfg: Any, config_path: Path, run_key: str | None) -> Any:
+def _pipeline_tracker(cfg: Any, config_path: Path, run_key: str | None, config_file: str | None) -> Any:
     """The MLflow parent run of this pipeline execution: the one tagged ``run_key``, else a new one."""
     from mlflow.tracking import MlflowClient
 
     from components.tracking import MlflowTracker
+    from pipelines.run import pipeline_tags
 
     uri = cfg.resolved_tracking_uri()
     if run_key:
@@ -227,8 +225,7 @@ def _pipeline_tracker(cfg: Any, config_path: Path, run_key: str | None) -> Any:
             return MlflowTracker(uri, cfg.experiment, run_id=run_id)
     # Parallel first steps could both create one; the DAG has a single root, which runs alone.
     tracker = MlflowTracker(uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if run_key:
-        tracker.set_tags({RUN_KEY_TAG: run_key})
+    tracker.set_tags(pipeline_tags(cfg, config_file) | ({RUN_KEY_TAG: run_key} if run_key else {}))
     tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
     tracker.log_artifact(config_path, "config")
     return tracker
@@ -245,6 +242,7 @@ def run_stage_only(
     run_key: str | None = None,
     tracking: bool = True,
     upstream: Sequence[str] | None = None,
+    config_file: str | None = None,
     log: Callable[[str], None] = print,
 ) -> StageRun:
     """Run one stage of the pipeline in this process; every stage upstream of it must be finished.
@@ -255,7 +253,8 @@ def run_stage_only(
     them (checked against the stage list; ``None`` skips the check). ``run_key`` groups the MLflow
     runs of one Kubeflow run under one parent run, which the DAG's last stage closes after writing
     ``summary.json``; without it the stage gets a parent run of its own. Raises
-    :class:`~pipelines.runner.StageFailed` when the stage fails.
+    :class:`~pipelines.runner.StageFailed` when the stage fails. ``config_file``: the file the config
+    came from as the user named it, recorded as a tag of the parent run (None: a config given inline).
     """
     from components.storage import is_s3
     from components.tracking import NullTracker, Tracker
@@ -296,7 +295,7 @@ def run_stage_only(
     if os.environ.get("RAY_ADDRESS"):
         _init_ray(cfg)  # inside a RayJob: join its cluster; stages that need Ray otherwise start their own
     key = sanitize_run_key(run_key) if run_key else None
-    tracker: Tracker = _pipeline_tracker(cfg, Path(config_path), key) if tracking else NullTracker()
+    tracker: Tracker = _pipeline_tracker(cfg, Path(config_path), key, config_file) if tracking else NullTracker()
     try:
         (result,) = runner.run(tracker, only=[stage], log=log)
     except StageFailed as err:
@@ -314,64 +313,3 @@ def run_stage_only(
     if last or key is None:
         tracker.finish()
     return StageRun(stage, result.status, uri, result.outputs)
-
-
-# ---------------------------------------------------------------------- the config parameter
-def read_config_text(config: str) -> str:
-    """The pipeline config's YAML: ``config`` itself when it is a YAML mapping, else read from it as a URI."""
-    from components.storage import is_s3, s3_client, split_s3
-
-    try:
-        data = yaml.safe_load(config)
-    except yaml.YAMLError as err:
-        raise ValueError(f"pipeline config is neither a YAML mapping nor a URI: {err}") from None
-    if isinstance(data, dict):
-        return config
-    uri = config.strip()
-    if is_s3(uri):
-        bucket, key = split_s3(uri)
-        return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    return Path(uri).read_text()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipelines.kfp_components STAGE --config-b64 ...``: the entrypoint of a stage's RayJob."""
-    parser = argparse.ArgumentParser(prog="python -m pipelines.kfp_components", description=main.__doc__)
-    parser.add_argument("stage", help="the stage to run")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--config", help="pipeline YAML file")
-    source.add_argument("--config-b64", help="pipeline YAML, base64-encoded")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    parser.add_argument("--workdir", help="change to this folder first (relative config paths resolve there)")
-    parser.add_argument("--storage-uri", help="storage root to pull upstream stages from and publish to")
-    parser.add_argument("--stages-module", default=DEFAULT_STAGES_MODULE, help="module or .py file of the stages")
-    parser.add_argument("--run-key", help="groups the MLflow runs of one pipeline execution")
-    parser.add_argument("--no-tracking", action="store_true", help="log nothing to MLflow")
-    parser.add_argument("--upstream", action="append", help="URI of a direct upstream stage (repeatable)")
-    args = parser.parse_args(argv)
-    if args.workdir:
-        os.chdir(args.workdir)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(args.config) if args.config else Path(tmp) / "config.yaml"
-        if args.config_b64:
-            path.write_text(base64.b64decode(args.config_b64).decode())
-        try:
-            result = run_stage_only(
-                path,
-                args.stage,
-                args.set,
-                stages_module=args.stages_module,
-                storage_uri=args.storage_uri,
-                run_key=args.run_key,
-                tracking=not args.no_tracking,
-                upstream=args.upstream,
-            )
-        except (StageFailed, ValueError, FileNotFoundError) as err:
-            print(f"star-elastic: stage {args.stage!r} failed: {err}", file=sys.stderr)
-            return 1
-    print(json.dumps({"stage": result.stage, "status": result.status, "uri": result.uri}))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

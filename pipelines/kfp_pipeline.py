@@ -3,33 +3,32 @@
 Design choices:
 
 - By default (``executor="rayjob"``) a step creates a KubeRay RayJob built from the cluster config by
-  :func:`components.kuberay.ray_job_manifest`, whose entrypoint runs the stage with
-  :func:`pipelines.kfp_components.run_stage_only`, and polls it until it succeeds or fails.
-  ``executor="local"`` runs that function in the step itself.
-- One lightweight Python component, :func:`stage_step`, serves every stage; it is copied under each
-  stage's name so that the tasks are called ``parent``, ``rank``, ... in the UI and in the YAML. Its
-  base image is the project's image from the :class:`~components.kuberay.ClusterConfig`, which already
-  holds kfp, so ``install_kfp_package=False``: pods need no access to a package index.
+  :func:`pipelines.kuberay.manifests.ray_job_manifest`, whose entrypoint is ``star-elastic kfp
+  run-stage`` (:func:`pipelines.kfp_components.run_stage_only`), and polls it until it succeeds or
+  fails. ``executor="local"`` runs that function in the step itself.
+- One lightweight Python component serves every stage; it is copied under each stage's name so that
+  the tasks are called ``parent``, ``rank``, ... in the UI and in the YAML. Its base image is the
+  project's image from the :class:`~pipelines.kuberay.config.ClusterConfig`, which already holds
+  kfp, so ``install_kfp_package=False``: pods need no access to a package index.
 - A step returns the URI of its stage's folder and takes its upstream stages' URIs as inputs
   (``upstream_1`` ...), so every edge of the DAG is a real data dependency, bound output to input.
-- The DAG comes from the stage list (``pipeline_stages()``); for the project's own list it always
-  holds the eight stages of :data:`PIPELINE_STAGES`, a stage not defined yet depending on the one
-  before it, so the compiled pipeline keeps its shape while stages are being written.
-- Everything a run needs travels as pipeline parameters with the compile-time values as defaults:
-  the config (one line of JSON; a run may pass YAML text or a URI instead), the cluster config as
-  JSON, the executor (``rayjob`` on a cluster, ``local`` to run the stage inside the step), the stage
-  module and the per-stage timeout. So one compiled file is reusable: edit a run's parameters, not the file.
+- The DAG is the stage list (``pipeline_stages()``), the same one ``star-elastic run`` runs.
+- The config travels as pipeline parameters derived from :class:`~pipelines.config.PipelineConfig`,
+  one per top-level YAML key (:mod:`pipelines.kfp_params`), with the compiled config's values as
+  defaults; beside them the cluster config as JSON, the executor (``rayjob`` on a cluster, ``local``
+  to run the stage inside the step), the stage module and the per-stage timeout. So one compiled
+  file is reusable: edit a run's parameters, not the file.
 - Kubeflow's own cache is off: the runner's input-keyed markers decide whether a stage is done, and
   Kubeflow cannot see whether a stage's outputs still exist in storage.
 """
 
-# No ``from __future__ import annotations``: kfp reads the component's and the pipeline's parameter
-# types from their live annotations, and postponed (string) annotations would be taken as artifact types.
-import argparse
+# No ``from __future__ import annotations``: kfp reads the pipeline's parameter types from live
+# annotations, and postponed (string) annotations would be taken as artifact types.
 import base64
 import copy
 import graphlib
 import hashlib
+import inspect
 import json
 import re
 import shlex
@@ -41,66 +40,64 @@ from typing import Any
 
 import yaml
 
-from components.kuberay import ClusterConfig
-from components.kuberay.config import DEFAULT_NAMESPACE
 from pipelines.kfp_components import (
     DEFAULT_STAGES_MODULE,
     check_upstream,
     load_stages,
-    read_config_text,
     run_stage_only,
     sanitize_run_key,
     stage_uri,
 )
+from pipelines.kfp_params import config_from_parameters, config_parameters, parameter_defaults, step_function
+from pipelines.kuberay.config import DEFAULT_NAMESPACE, ClusterConfig
 from pipelines.runner import StageSpec
 
-# The stages of the project's pipeline, in run order (the task names of the compiled DAG).
-PIPELINE_STAGES = (
-    "parent",
-    "rank",
-    "distill_phase1",
-    "distill_phase2",
-    "export",
-    "evaluate",
-    "quantize",
-    "register",
-)
 PIPELINE_NAME = "star-elastic"
 MAX_UPSTREAM = 4  # input slots of the step component; a stage with more direct dependencies is refused
+UPSTREAM = tuple(f"upstream_{i}" for i in range(1, MAX_UPSTREAM + 1))
 DEFAULT_TIMEOUT_S = 7 * 24 * 3600  # per stage, as ray_job_manifest's default deadline
 EXECUTORS = ("rayjob", "local")
 # The images' WORKDIR (infra/docker): relative config paths (runs/, pipelines/assets/...) resolve there.
 IMAGE_WORKDIR = "/app"
+# Inputs of every step besides the config parameters and the upstream URIs.
+STEP_INPUTS: tuple[tuple[str, type], ...] = (
+    ("stage", str),
+    ("executor", str),
+    ("cluster", str),
+    ("stages_module", str),
+    ("run_key", str),
+    ("tracking", bool),
+    ("timeout_s", int),
+)
 
 
-def stage_step(
+def run_step(
     stage: str,
-    config: str,
     executor: str,
     cluster: str,
     stages_module: str,
     run_key: str,
     tracking: bool,
     timeout_s: int,
-    upstream_1: str = "",
-    upstream_2: str = "",
-    upstream_3: str = "",
-    upstream_4: str = "",
+    **inputs: Any,
 ) -> str:
-    """Run one pipeline stage (as a RayJob, or in this pod) and return the URI of its output folder."""
-    from pipelines.kfp_pipeline import execute_step
+    """Body of every step: the config from its parameters, then the stage (as a RayJob, or in this pod).
 
-    upstream = [uri for uri in (upstream_1, upstream_2, upstream_3, upstream_4) if uri]
+    ``inputs``: the config parameters and ``upstream_1`` ... (the URIs of the direct upstream stages).
+    Returns the URI of the stage's output folder.
+    """
+    upstream = [inputs.pop(slot) for slot in UPSTREAM if slot in inputs]
+    text = yaml.safe_dump(config_from_parameters(inputs), sort_keys=False)
     return execute_step(
         stage,
-        config,
+        text,
         executor=executor,
         cluster_json=cluster,
         stages_module=stages_module,
         run_key=run_key,
         tracking=tracking,
         timeout_s=timeout_s,
-        upstream=upstream,
+        upstream=[uri for uri in upstream if uri],
     )
 
 
@@ -123,12 +120,12 @@ def stage_entrypoint(
     upstream: Sequence[str],
     workdir: str = IMAGE_WORKDIR,
 ) -> str:
-    """The RayJob entrypoint: ``python -m pipelines.kfp_components ...``, the config inline as base64.
+    """The RayJob entrypoint: ``star-elastic kfp run-stage ...``, the config inline as base64.
 
     KubeRay pastes the entrypoint into a shell script, so it is one simple command with every word
     quoted; the config travels inline so that the job needs nothing but the image and the storage.
     """
-    argv = ["python", "-m", "pipelines.kfp_components", stage, "--workdir", workdir]
+    argv = ["star-elastic", "kfp", "run-stage", stage, "--workdir", workdir]
     argv += ["--config-b64", base64.b64encode(config_text.encode()).decode()]
     argv += ["--storage-uri", storage_uri, "--stages-module", stages_module, "--run-key", run_key]
     if not tracking:
@@ -252,7 +249,7 @@ def wait_for_rayjob(
 
 def execute_step(
     stage: str,
-    config: str,
+    config_text: str,
     *,
     executor: str = "rayjob",
     cluster_json: str = "",
@@ -264,12 +261,12 @@ def execute_step(
     api: Any = None,
     poll_s: float = 15.0,
 ) -> str:
-    """Body of a Kubeflow step: run ``stage`` with ``executor``; returns the URI of the stage's folder."""
+    """Run ``stage`` of the pipeline YAML ``config_text`` with ``executor``; returns the URI of the stage's folder."""
     from pipelines.config import load_pipeline_config
 
     if executor not in EXECUTORS:
-        raise ValueError(f"executor {executor!r}: expected one of {EXECUTORS}")
-    text = read_config_text(config)
+        raise ValueError(f"executor: {executor!r} is not one of {EXECUTORS}; set the executor parameter to one of them")
+    text = config_text
     run_key = sanitize_run_key(run_key) or sanitize_run_key(hashlib.sha256(text.encode()).hexdigest())
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
@@ -281,8 +278,8 @@ def execute_step(
             print(json.dumps({"stage": stage, "status": result.status, "uri": result.uri}))
             return result.uri
         cfg = load_pipeline_config(path)  # a broken config fails here, before any cluster starts
-    from components.kuberay import ray_job_manifest
     from components.storage import is_s3
+    from pipelines.kuberay.manifests import ray_job_manifest
 
     check_upstream(load_stages(stages_module), stage, upstream)
     cluster = ClusterConfig.model_validate_json(cluster_json)
@@ -318,15 +315,9 @@ def _kfp() -> Any:
     return kfp, compiler, dsl
 
 
-def pipeline_dag(stages: Sequence[StageSpec], complete: Sequence[str] = ()) -> dict[str, list[str]]:
-    """Stage -> direct upstream stages, in run order.
-
-    ``complete``: stage names the DAG must hold in this order; one missing from ``stages`` depends on
-    the name before it.
-    """
+def pipeline_dag(stages: Sequence[StageSpec]) -> dict[str, list[str]]:
+    """Stage -> direct upstream stages, in run order."""
     deps = {spec.name: list(spec.depends) for spec in stages}
-    for i, name in enumerate(complete):
-        deps.setdefault(name, [complete[i - 1]] if i else [])
     for name, upstream in deps.items():
         unknown = [d for d in upstream if d not in deps]
         if unknown:
@@ -337,20 +328,55 @@ def pipeline_dag(stages: Sequence[StageSpec], complete: Sequence[str] = ()) -> d
     return {name: deps[name] for name in order}
 
 
+def pipeline_signature(config: Any, cluster: ClusterConfig, stages_module: str) -> inspect.Signature:
+    """The pipeline's parameters: one per config field (:mod:`pipelines.kfp_params`), then the run options.
+
+    ``config``: the validated :class:`~pipelines.config.PipelineConfig` whose values become the defaults.
+    """
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = config_parameters(type(config))
+    defaults = parameter_defaults(config, params)
+    fields = [inspect.Parameter(p.name, kind, default=defaults[p.name], annotation=p.type) for p in params]
+    options = [
+        inspect.Parameter("executor", kind, default="rayjob", annotation=str),
+        inspect.Parameter("cluster", kind, default=cluster.model_dump_json(), annotation=str),
+        inspect.Parameter("stages_module", kind, default=stages_module, annotation=str),
+        inspect.Parameter("tracking", kind, default=True, annotation=bool),
+        inspect.Parameter("timeout_s", kind, default=DEFAULT_TIMEOUT_S, annotation=int),
+    ]
+    return inspect.Signature([*fields, *options], return_annotation=str)
+
+
+_OPTION_DOCS = {
+    "executor": "'rayjob': each stage runs as a KubeRay RayJob; 'local': inside its step's pod.",
+    "cluster": "The RayJobs' cluster (pipelines.kuberay.config.ClusterConfig) as JSON.",
+    "stages_module": "Module (or .py file) whose pipeline_stages() gives the stage list.",
+    "tracking": "Log to MLflow (one parent run per Kubeflow run).",
+    "timeout_s": "Seconds each stage may run before its RayJob is deleted.",
+}
+
+
 def build_pipeline(
     dag: Mapping[str, Sequence[str]],
-    config_text: str,
+    config: Any,
     cluster: ClusterConfig,
     stages_module: str = DEFAULT_STAGES_MODULE,
 ) -> Any:
     """The ``@dsl.pipeline`` function for ``dag``; parameters default to the given config and cluster.
 
-    ``config_text`` must be one line (e.g. the config as JSON): see :func:`compile_pipeline`.
+    ``config``: the validated :class:`~pipelines.config.PipelineConfig`.
     """
     _, _, dsl = _kfp()
-    if "\n" in config_text:
-        raise ValueError("config_text must be a single line (JSON); kfp breaks on multi-line defaults")
-    base = dsl.component(stage_step, base_image=cluster.image, install_kfp_package=False)
+    params = config_parameters(type(config))
+    step = step_function(
+        "stage_step",
+        STEP_INPUTS,
+        params,
+        UPSTREAM,
+        "pipelines.kfp_pipeline:run_step",
+        "Run one pipeline stage (as a RayJob, or in this pod) and return the URI of its output folder.",
+    )
+    base = dsl.component(step, base_image=cluster.image, install_kfp_package=False)
 
     def component_for(stage: str) -> Any:
         # Same code, the stage's name: tasks and components are then named after their stage.
@@ -358,42 +384,31 @@ def build_pipeline(
         comp.component_spec.name = stage
         return comp
 
-    cluster_json = cluster.model_dump_json()
+    signature = pipeline_signature(config, cluster, stages_module)
+    names = list(signature.parameters)
     last = list(dag)[-1]
 
-    @dsl.pipeline(
-        name=PIPELINE_NAME,
-        description="Parent hybrid LM -> nested elastic budgets in one checkpoint: each step runs one stage "
-        "(a KubeRay RayJob by default) and passes the URI of the stage's outputs downstream.",
-    )
-    def star_elastic(
-        config: str = config_text,
-        executor: str = "rayjob",
-        cluster: str = cluster_json,
-        stages_module: str = stages_module,
-        tracking: bool = True,
-        timeout_s: int = DEFAULT_TIMEOUT_S,
-    ) -> str:
+    def star_elastic(*args: Any) -> Any:
+        values = dict(zip(names, args, strict=True))  # kfp passes one channel per parameter, in order
         tasks: dict[str, Any] = {}
         for stage, upstream in dag.items():
-            slots = {f"upstream_{i}": tasks[dep].output for i, dep in enumerate(upstream, 1)}
-            task = component_for(stage)(
-                stage=stage,
-                config=config,
-                executor=executor,
-                cluster=cluster,
-                stages_module=stages_module,
-                run_key=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                tracking=tracking,
-                timeout_s=timeout_s,
-                **slots,
-            )
+            slots = {UPSTREAM[i]: tasks[dep].output for i, dep in enumerate(upstream)}
+            task = component_for(stage)(stage=stage, run_key=dsl.PIPELINE_JOB_ID_PLACEHOLDER, **values, **slots)
             task.set_display_name(stage)
             task.set_caching_options(False)
             tasks[stage] = task
         return tasks[last].output
 
-    return star_elastic
+    star_elastic.__signature__ = signature  # type: ignore[attr-defined]
+    docs = {p.name: p.description for p in params} | _OPTION_DOCS
+    # kfp takes each parameter's description from the pipeline function's docstring (Google style).
+    args = "".join(f"    {name}: {docs[name]}\n" for name in names)
+    star_elastic.__doc__ = f"The star-elastic pipeline.\n\nArgs:\n{args}"
+    return dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="Parent hybrid LM -> nested elastic budgets in one checkpoint: each step runs one stage "
+        "(a KubeRay RayJob by default) and passes the URI of the stage's outputs downstream.",
+    )(star_elastic)
 
 
 def compile_pipeline(
@@ -405,21 +420,16 @@ def compile_pipeline(
 ) -> Path:
     """Validate the config and write the compiled pipeline YAML to ``out_path`` (no cluster needed).
 
-    ``cluster`` defaults to the demo cluster of :mod:`components.kuberay`. ``stages_module`` names the
-    stage list (a module or a ``.py`` file with ``pipeline_stages()``); for the project's own list the
-    DAG always has the eight stages of :data:`PIPELINE_STAGES`.
+    ``cluster`` defaults to the demo cluster of :mod:`pipelines.kuberay.render`. ``stages_module``
+    names the stage list (a module or a ``.py`` file with ``pipeline_stages()``).
     """
-    from components.kuberay import demo_cluster_config
     from pipelines.config import load_pipeline_config
+    from pipelines.kuberay.render import demo_cluster_config
 
     _, compiler, _ = _kfp()
-    load_pipeline_config(config_path)  # an invalid config fails here, not in the first step of a run
-    # One line of JSON (which is YAML): kfp copies parameter defaults into the file's comment header
-    # and leaves the second line of a multi-line default uncommented, which breaks the whole file.
-    text = json.dumps(yaml.safe_load(Path(config_path).read_text()))
-    complete = PIPELINE_STAGES if stages_module == DEFAULT_STAGES_MODULE else ()
-    dag = pipeline_dag(load_stages(stages_module), complete)
-    pipeline = build_pipeline(dag, text, cluster or demo_cluster_config(), stages_module)
+    config = load_pipeline_config(config_path)  # an invalid config fails here, not in the first step of a run
+    dag = pipeline_dag(load_stages(stages_module))
+    pipeline = build_pipeline(dag, config, cluster or demo_cluster_config(), stages_module)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline, str(out))
@@ -460,23 +470,3 @@ def rayjob_rbac_manifests(
 def rbac_yaml(**kwargs: Any) -> str:
     """:func:`rayjob_rbac_manifests` as one multi-document YAML text."""
     return yaml.safe_dump_all(rayjob_rbac_manifests(**kwargs), sort_keys=False)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipelines.kfp_pipeline CONFIG [--out PATH] [--cluster demo|real]``: compile the pipeline."""
-    from components.kuberay import demo_cluster_config, real_cluster_config
-
-    parser = argparse.ArgumentParser(prog="python -m pipelines.kfp_pipeline", description=main.__doc__)
-    parser.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/demo.yaml")
-    parser.add_argument("--out", default="infra/kfp/demo-pipeline.yaml", help="where to write the pipeline YAML")
-    parser.add_argument("--cluster", choices=("demo", "real"), default="demo", help="cluster config of the RayJobs")
-    parser.add_argument("--registry", default="", help="image registry prefix, e.g. ghcr.io/acme")
-    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="namespace the RayJobs are created in")
-    args = parser.parse_args(argv)
-    make = demo_cluster_config if args.cluster == "demo" else real_cluster_config
-    print(compile_pipeline(args.config, args.out, make(args.registry, args.namespace)))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

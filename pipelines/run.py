@@ -32,6 +32,18 @@ def _init_ray(cfg: PipelineConfig) -> None:
             )
 
 
+def pipeline_tags(cfg: PipelineConfig, config_file: str | Path | None) -> dict[str, str]:
+    """Tags of a pipeline execution's MLflow parent run, whoever runs it (``star-elastic run`` or a Kubeflow
+    step): what produced it (git commit, uncommitted changes, hash of the validated config), the run folder,
+    and the config file when the config came from one."""
+    from components.tracking import source_tags
+
+    tags = {**source_tags(cfg.model_dump(mode="json", by_alias=True)), "run_dir": str(cfg.run_dir)}
+    if config_file is not None:
+        tags["config_file"] = str(config_file)
+    return tags
+
+
 def summary_rows(outputs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per budget from the export / evaluate / quantize outputs (whatever exists)."""
     export = outputs.get("export", {})
@@ -114,7 +126,7 @@ def run_pipeline(
     dry_run: bool = False,
     only: list[str] | None = None,
 ) -> int:
-    from components.tracking import MlflowTracker, source_tags
+    from components.tracking import MlflowTracker
 
     cfg = load_pipeline_config(config_path, overrides)
     runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
@@ -136,9 +148,8 @@ def run_pipeline(
     # Whatever ends the run early (Ray failing to start, a bad --only, Ctrl-C, SIGTERM, which Ray's driver
     # turns into SystemExit) ends the MLflow run FAILED or KILLED with the error, never leaves it RUNNING.
     with tracker:
-        config = cfg.model_dump(mode="json", by_alias=True)
-        tracker.set_tags({**source_tags(config), "config_file": str(config_path), "run_dir": str(cfg.run_dir)})
-        tracker.log_params({"pipeline": config})
+        tracker.set_tags(pipeline_tags(cfg, config_path))
+        tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
         tracker.log_artifact(config_path, "config")
         _init_ray(cfg)
         start = time.perf_counter()

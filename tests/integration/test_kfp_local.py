@@ -1,11 +1,12 @@
 """The compiled Kubeflow pipeline, executed here by kfp's local runner with ``executor="local"``.
 
-Each task runs in its own subprocess, as in a pod: the step component loads the config parameter,
-runs its stage through the pipeline runner and returns the stage's URI, which the downstream tasks
-receive as inputs. The stage list is the three quick stages below (this file, loaded by path through
-the ``stages_module`` parameter); ``c`` depends on both ``a`` and ``b`` so that a task with two
-upstream inputs is covered. MLflow is off (``tracking=False``): starting a SQLite store in every
-task would dominate the run time, and tracking is the same code as ``star-elastic run``.
+Each task runs in its own subprocess, as in a pod: the step component builds the config from the
+config parameters (one per top-level key; the run overrides ``run_name``), runs its stage through
+the pipeline runner and returns the stage's URI, which the downstream tasks receive as inputs. The
+stage list is the three quick stages below (this file, loaded by path through the ``stages_module``
+parameter); ``c`` depends on both ``a`` and ``b`` so that a task with two upstream inputs is
+covered. MLflow is off (``tracking=False``): starting a SQLite store in every task would dominate
+the run time, and tracking is the same code as ``star-elastic run``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def test_compiled_pipeline_runs_locally(tmp_path: Path) -> None:
     config.write_text(
         yaml.safe_dump(
             {
-                "run_name": "kfp-local",
+                "run_name": "compiled-name",  # the run below passes run_name: the parameter must win
                 "runs_dir": str(tmp_path / "runs"),
                 "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "fraction": 1.0}]},
             }
@@ -71,7 +72,7 @@ def test_compiled_pipeline_runs_locally(tmp_path: Path) -> None:
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
     pipeline = components.load_component_from_file(str(package))
-    task = pipeline(executor="local", tracking=False)
+    task = pipeline(executor="local", tracking=False, run_name="kfp-local")
 
     # The pipeline's output is the last stage's URI; every stage ran once, in order, and left its marker.
     assert task.output == str((run_dir / "c").resolve())

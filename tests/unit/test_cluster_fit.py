@@ -7,8 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.kuberay import demo_cluster_config, real_cluster_config, render_manifests
-from components.kuberay.render import PIPELINE_CONFIGS, check_cluster_holds, train_workers
+from pipelines.kuberay.render import (
+    PIPELINE_CONFIGS,
+    check_cluster_holds,
+    demo_cluster_config,
+    real_cluster_config,
+    render_manifests,
+    train_workers,
+)
 
 REAL = PIPELINE_CONFIGS / "real.yaml"
 
@@ -39,6 +45,19 @@ def test_cpu_workers_are_checked_against_worker_cpus(tmp_path: Path):
     assert train_workers(config) == {"distill_phase1": (9, "CPU"), "distill_phase2": (2, "CPU")}
     with pytest.raises(ValueError, match=r"9 CPU workers.*at most 8 CPUs \(2 nodes x 4 CPUs \(cpu\)\)"):
         check_cluster_holds(demo_cluster_config(), config, "star-elastic-demo")
+
+
+def test_workers_are_read_through_the_distill_section_class(tmp_path: Path):
+    from pipelines.config import ConfigError
+
+    config = tmp_path / "p.yaml"
+    config.write_text(yaml.safe_dump({"distill_phase1": {"num_workerz": 9}, "distill_phase2": {"num_workers": "x"}}))
+    with pytest.raises(ConfigError) as err:
+        train_workers(config)
+    assert err.value.problems == [
+        "distill_phase1.num_workerz: unknown key; did you mean 'num_workers'?",
+        "distill_phase2.num_workers: Input should be a valid integer, unable to parse string as an integer, got 'x'",
+    ]
 
 
 def test_plan_says_the_real_config_fits_on_the_committed_cluster():

@@ -201,9 +201,9 @@ def test_each_malformed_config_is_refused_in_one_line(case: str, change: dict[st
 
 
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+    """The installed ``star-elastic`` console script (``pip install -e .`` puts it beside the interpreter)."""
+    script = Path(sys.executable).with_name("star-elastic")
+    return subprocess.run([str(script), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def test_cli_dry_run_refuses_with_exit_2_and_one_line(tmp_path: Path) -> None:
@@ -231,3 +231,19 @@ def test_cli_dry_run_of_a_good_config_prints_the_plan(tmp_path: Path) -> None:
         "pipeline demo: parent (run), rank (run), distill_phase1 (run), distill_phase2 (run), export (run), "
         "evaluate (run), quantize (run), register (run)"
     )
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("rank.calibration.num_sampls=3", "rank.calibration.num_sampls: unknown key; did you mean 'num_samples'?"),
+        ("serve.max_ongoing_request=3", "serve.max_ongoing_request: unknown key; did you mean 'max_ongoing_requests'?"),
+        ("rank.output_dir=x", "rank.output_dir: set by the pipeline (the rank stage's folder under runs_dir/run_name); "
+         "remove it"),
+        ("distill_phase1.lr=0", "distill_phase1.lr: Input should be greater than 0, got 0"),
+    ],
+)  # fmt: skip
+def test_a_bad_set_names_its_yaml_path_and_the_fix(override: str, line: str, tmp_path: Path) -> None:
+    """``--set`` goes through the same config classes as the YAML: the stage sections' own fields and bounds."""
+    _, problems = pipeline_problems(DEMO, [f"runs_dir={tmp_path}", override])
+    assert problems == [line]

@@ -1,4 +1,5 @@
-"""The Kubeflow pipeline: the committed YAML is current, the DAG is right, and a step's RayJob path works.
+"""The Kubeflow pipeline: the committed YAML is current, the DAG is the stage list, the parameters are the
+config class's fields, and a step's RayJob path works.
 
 The RayJob path runs against a fake ``CustomObjectsApi``; the manifests it submits are checked
 against KubeRay's CRD schema like the committed ones. A tiny two-stage list defined here (loaded by
@@ -76,18 +77,14 @@ def compiled(tmp_path_factory) -> tuple[str, dict[str, Any]]:
 
 def test_committed_pipeline_equals_a_fresh_compile(compiled) -> None:
     # kfp's output is deterministic (no timestamps or random ids), so nothing is masked.
-    assert COMMITTED.read_text() == compiled[0], (
-        "infra/kfp/demo-pipeline.yaml is stale: star-elastic kfp compile pipelines/configs/demo.yaml "
-        "--out infra/kfp/demo-pipeline.yaml"
-    )
+    assert COMMITTED.read_text() == compiled[0], "infra/kfp/demo-pipeline.yaml is stale: make kfp"
 
 
 def test_dag_has_the_eight_stages_in_dependency_order(compiled) -> None:
-    from pipelines.kfp_pipeline import PIPELINE_STAGES
+    from pipelines.stages import pipeline_stages
 
-    tasks = compiled[1]["root"]["dag"]["tasks"]
-    stage_of = {name: task["taskInfo"]["name"] for name, task in tasks.items()}  # task key -> stage
-    assert list(PIPELINE_STAGES) == [
+    run_order = [s.name for s in pipeline_stages()]
+    assert run_order == [
         "parent",
         "rank",
         "distill_phase1",
@@ -97,14 +94,16 @@ def test_dag_has_the_eight_stages_in_dependency_order(compiled) -> None:
         "quantize",
         "register",
     ]
-    assert sorted(stage_of.values()) == sorted(PIPELINE_STAGES)
+    tasks = compiled[1]["root"]["dag"]["tasks"]
+    stage_of = {name: task["taskInfo"]["name"] for name, task in tasks.items()}  # task key -> stage
+    assert sorted(stage_of.values()) == sorted(run_order)
     deps = {stage_of[name]: [stage_of[d] for d in task.get("dependentTasks", [])] for name, task in tasks.items()}
     assert deps["parent"] == []
     for name, task in tasks.items():
         stage = stage_of[name]
         assert stage == "parent" or deps[stage], f"{stage} has no upstream stage"
         for dep in deps[stage]:  # every edge points backwards in run order
-            assert PIPELINE_STAGES.index(dep) < PIPELINE_STAGES.index(stage), f"{dep} -> {stage}"
+            assert run_order.index(dep) < run_order.index(stage), f"{dep} -> {stage}"
         # The edges are data: each upstream stage's URI is bound to an input of the step.
         bound = [
             stage_of[p["taskOutputParameter"]["producerTask"]]
@@ -117,45 +116,160 @@ def test_dag_has_the_eight_stages_in_dependency_order(compiled) -> None:
     def ancestors(stage: str) -> set[str]:
         return set(deps[stage]).union(*(ancestors(d) for d in deps[stage]))
 
-    assert ancestors("register") == set(PIPELINE_STAGES) - {"register"}
+    assert ancestors("register") == set(run_order) - {"register"}
     output = compiled[1]["root"]["dag"]["outputs"]["parameters"]["Output"]["valueFromParameter"]
     assert stage_of[output["producerSubtask"]] == "register"
 
 
 def test_dag_follows_the_stage_list() -> None:
-    from pipelines.kfp_pipeline import PIPELINE_STAGES, pipeline_dag
+    from pipelines.kfp_pipeline import pipeline_dag
     from pipelines.stages import pipeline_stages as project_stages
 
     specs = project_stages()
-    assert {s.name for s in specs} <= set(PIPELINE_STAGES), "a new stage needs a place in PIPELINE_STAGES"
-    dag = pipeline_dag(specs, PIPELINE_STAGES)
+    dag = pipeline_dag(specs)
+    assert sorted(dag) == sorted(s.name for s in specs)
     for spec in specs:
         assert dag[spec.name] == spec.depends
 
 
-def test_parameters_default_to_the_config_and_cluster(compiled) -> None:
-    from components.kuberay import ClusterConfig, demo_cluster_config
+# ---------------------------------------------------------------------- parameters from the config class
+RUN_OPTIONS = ["executor", "cluster", "stages_module", "tracking", "timeout_s"]
+
+
+def test_parameters_are_the_config_fields_then_the_run_options(compiled) -> None:
+    from pipelines.config import PipelineConfig
 
     params = compiled[1]["root"]["inputDefinitions"]["parameters"]
-    assert json.loads(params["config"]["defaultValue"]) == yaml.safe_load(DEMO_CONFIG.read_text())
-    assert ClusterConfig.model_validate_json(params["cluster"]["defaultValue"]) == demo_cluster_config()
-    assert params["executor"]["defaultValue"] == "rayjob"
-    assert params["stages_module"]["defaultValue"] == "pipelines.stages"
-    assert params["tracking"]["defaultValue"] is True
+    yaml_keys = [f.alias or name for name, f in PipelineConfig.model_fields.items()]
+    assert "register" in yaml_keys and "registry" not in yaml_keys  # the YAML name, not the attribute
+    assert sorted(params) == sorted(yaml_keys + RUN_OPTIONS)
+    kinds = {name: p["parameterType"] for name, p in params.items()}
+    assert kinds["threads"] == "NUMBER_INTEGER" and kinds["tracking"] == "BOOLEAN"
+    assert {kinds[k] for k in yaml_keys if k != "threads"} == {"STRING"}  # scalars, optional strings, JSON
+    for key in yaml_keys:  # each described by its field
+        field = PipelineConfig.model_fields["registry" if key == "register" else key]
+        assert params[key]["description"].startswith(field.description.rstrip(".")), key
+    # Every step takes every config parameter, bound to the pipeline's.
+    for task in compiled[1]["root"]["dag"]["tasks"].values():
+        inputs = task["inputs"]["parameters"]
+        for key in yaml_keys + RUN_OPTIONS:
+            assert inputs[key] == {"componentInputParameter": key}
+
+
+def test_parameter_defaults_are_the_compiled_config(compiled) -> None:
+    from pipelines.config import load_pipeline_config, validate_pipeline
+    from pipelines.kfp_params import config_from_parameters
+    from pipelines.kuberay.config import ClusterConfig
+    from pipelines.kuberay.render import demo_cluster_config
+    from pipelines.runner import PipelineRunner
+    from pipelines.stages import pipeline_stages
+
+    params = compiled[1]["root"]["inputDefinitions"]["parameters"]
+    defaults = {name: p.get("defaultValue") for name, p in params.items()}
+    assert defaults["run_name"] == "demo" and defaults["threads"] == 2 and defaults["storage_uri"] == ""
+    assert json.loads(defaults["export"]) == {"select": "feasible"}  # the keys the YAML set, nothing more
+    assert json.loads(defaults["data"]) is None and json.loads(defaults["serve"]) == {}
+    # Decoded, the defaults are the demo config: every stage gets the same config, hence the same key.
+    expected = load_pipeline_config(DEMO_CONFIG)
+    decoded = validate_pipeline(config_from_parameters(defaults))
+    assert decoded.model_dump() == expected.model_dump()
+    runners = [PipelineRunner(pipeline_stages(), cfg, cfg.run_dir) for cfg in (expected, decoded)]
+    assert runners[0].keys(runners[0].build_configs()) == runners[1].keys(runners[1].build_configs())
+    assert ClusterConfig.model_validate_json(defaults["cluster"]) == demo_cluster_config()
+    assert defaults["executor"] == "rayjob"
+    assert defaults["stages_module"] == "pipelines.stages"
+    assert defaults["tracking"] is True
     images = {e["container"]["image"] for e in compiled[1]["deploymentSpec"]["executors"].values()}
     assert images == {demo_cluster_config().image}
     commands = [" ".join(e["container"]["command"]) for e in compiled[1]["deploymentSpec"]["executors"].values()]
     assert not any("pip install" in c for c in commands)  # the image holds kfp; pods need no package index
 
 
-def test_pipeline_dag_fills_missing_stages_and_refuses_bad_edges() -> None:
+def test_a_field_added_to_the_config_classes_becomes_a_parameter(tmp_path) -> None:
+    """No list to edit: a new top-level field is a new parameter of the compiled pipeline, typed from its
+    annotation; a new field of a stage's section travels in (and is validated by) its section's parameter."""
+    from pydantic import Field, create_model
+
+    from pipelines.config import PipelineConfig, RankSection
+    from pipelines.kfp_params import config_from_parameters, config_parameters, parameter_defaults
+    from pipelines.kfp_pipeline import build_pipeline, pipeline_dag
+    from pipelines.kuberay.render import demo_cluster_config
+
+    rank = create_model("RankWithKnob", __base__=RankSection, knob=(int, Field(3, ge=1, description="A knob.")))
+    extended = create_model(
+        "ExtendedConfig",
+        __base__=PipelineConfig,
+        notes=(str, Field("none", description="Free text.")),
+        replicas=(int, Field(1, description="A count.")),
+        rank=(rank, Field(default_factory=rank, description="Rank stage.")),
+    )
+    data = yaml.safe_load(DEMO_CONFIG.read_text())
+    cfg = extended.model_validate({**data, "notes": "kept", "rank": {"knob": 5}})
+    params = {p.name: p for p in config_parameters(extended)}
+    assert list(params)[-2:] == ["notes", "replicas"]
+    assert (params["notes"].type, params["replicas"].type) == (str, int)
+    defaults = parameter_defaults(cfg)
+    assert (defaults["notes"], defaults["replicas"], json.loads(defaults["rank"])) == ("kept", 1, {"knob": 5})
+    back = extended.model_validate(config_from_parameters(defaults, list(params.values())))
+    assert back.rank.knob == 5 and back.notes == "kept"
+    with pytest.raises(ValueError, match="knob"):
+        extended.model_validate(config_from_parameters({**defaults, "rank": '{"knob": 0}'}, list(params.values())))
+
+    from kfp import compiler
+
+    def noop(*_: Any) -> Any:
+        return None
+
+    pipeline = build_pipeline(pipeline_dag([StageSpec("a", [], noop, noop)]), cfg, demo_cluster_config())
+    compiler.Compiler().compile(pipeline, str(tmp_path / "p.yaml"))
+    spec = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    root = spec["root"]["inputDefinitions"]["parameters"]
+    assert root["notes"] == {"defaultValue": "kept", "description": "Free text.", "isOptional": True,
+                             "parameterType": "STRING"}  # fmt: skip
+    assert root["replicas"]["parameterType"] == "NUMBER_INTEGER"
+    assert {"notes", "replicas"} <= set(spec["components"]["comp-a"]["inputDefinitions"]["parameters"])
+
+
+def test_a_bad_parameter_value_fails_at_its_yaml_path(tmp_path) -> None:
+    from pipelines.config import ConfigError, load_pipeline_config
+    from pipelines.kfp_params import parameter_defaults
+    from pipelines.kfp_pipeline import run_step
+
+    defaults = parameter_defaults(load_pipeline_config(_config(tmp_path)))
+    step = {"stage": "first", "executor": "local", "cluster": "", "stages_module": __file__, "run_key": "r"}
+    step |= {"tracking": False, "timeout_s": 60}
+    with pytest.raises(ValueError, match=r"^rank: the Kubeflow parameter is not JSON"):
+        run_step(**step, **{**defaults, "rank": "{num_tasks: 2"})
+    with pytest.raises(ConfigError) as err:
+        run_step(**step, **{**defaults, "rank": '{"num_tasks": 0}', "threads": 0})
+    assert [p.split(":")[0] for p in err.value.problems] == ["threads", "rank.num_tasks"]
+
+
+def test_a_step_runs_its_stage_from_the_parameters(tmp_path) -> None:
+    """What each step does in its pod with ``executor=local``: config from the parameters, then the stage."""
+    from pipelines.config import load_pipeline_config
+    from pipelines.kfp_params import parameter_defaults
+    from pipelines.kfp_pipeline import run_step
+
+    defaults = parameter_defaults(load_pipeline_config(_config(tmp_path)))
+    step = {"executor": "local", "cluster": "", "stages_module": __file__, "run_key": "r", "tracking": False}
+    uri = run_step(stage="first", timeout_s=60, **step, **defaults)
+    assert uri == str((tmp_path / "runs" / "tiny" / "first").resolve())
+    renamed = {**defaults, "run_name": "other"}  # a run's edited parameter is the config the stage runs
+    second = run_step(stage="first", timeout_s=60, **step, **renamed)
+    assert second == str((tmp_path / "runs" / "other" / "first").resolve())
+    assert run_step(stage="second", timeout_s=60, upstream_1=uri, **step, **defaults).endswith("tiny/second")
+    assert (tmp_path / "runs" / "tiny" / "second" / "out.txt").read_text() == "first;second;"
+
+
+def test_pipeline_dag_refuses_bad_edges() -> None:
     from pipelines.kfp_pipeline import pipeline_dag
 
     def noop(*_: Any) -> Any:
         return None
 
-    specs = [StageSpec("a", [], noop, noop), StageSpec("b", ["a"], noop, noop)]
-    assert pipeline_dag(specs, ["a", "b", "c", "d"]) == {"a": [], "b": ["a"], "c": ["b"], "d": ["c"]}
+    specs = [StageSpec("b", ["a"], noop, noop), StageSpec("a", [], noop, noop)]
+    assert pipeline_dag(specs) == {"a": [], "b": ["a"]}  # run order
     with pytest.raises(ValueError, match="unknown stages"):
         pipeline_dag([StageSpec("x", ["nope"], noop, noop)])
     many = [StageSpec(n, [], noop, noop) for n in "pqrst"] + [StageSpec("z", list("pqrst"), noop, noop)]
@@ -213,10 +327,10 @@ def _status(deployment: str, job: str, **extra: str) -> dict[str, str]:
 
 
 def test_rayjob_step_submits_a_valid_rayjob_and_returns_the_stage_uri(tmp_path) -> None:
-    from components.kuberay import demo_cluster_config
-    from components.kuberay.config import check_name
-    from pipelines.kfp_components import main
+    from pipelines.cli import build_parser
     from pipelines.kfp_pipeline import execute_step
+    from pipelines.kuberay.config import check_name
+    from pipelines.kuberay.render import demo_cluster_config
     from tests.unit.test_manifests import manifest_errors
 
     config = _config(tmp_path)
@@ -241,20 +355,20 @@ def test_rayjob_step_submits_a_valid_rayjob_and_returns_the_stage_uri(tmp_path) 
     assert manifest["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] == (
         cluster.image
     )
-    # The entrypoint is one shell-safe command that the job's driver can parse back.
+    # The entrypoint is one shell-safe star-elastic command that the job's driver parses back.
     argv = shlex.split(manifest["spec"]["entrypoint"])
-    assert argv[:4] == ["python", "-m", "pipelines.kfp_components", "second"]
-    opts = dict(zip(argv[4::2], argv[5::2], strict=False))
-    assert base64.b64decode(opts["--config-b64"]).decode() == config.read_text()
-    assert opts["--storage-uri"] == "s3://star-elastic/runs" and opts["--workdir"] == "/app"
-    assert opts["--upstream"] == "s3://star-elastic/runs/tiny/first"
-    with pytest.raises(SystemExit):  # the same options parse (stopped at --help to run nothing)
-        main([*argv[3:], "--help"])
+    assert argv[:4] == ["star-elastic", "kfp", "run-stage", "second"]
+    args = build_parser().parse_args(argv[1:])
+    assert args.stage == "second" and args.config is None
+    assert base64.b64decode(args.config_b64).decode() == config.read_text()
+    assert (args.storage_uri, args.workdir, args.run_key) == ("s3://star-elastic/runs", "/app", "run-123")
+    assert args.upstream == ["s3://star-elastic/runs/tiny/first"] and args.stages_module == __file__
+    assert args.no_tracking is False
 
 
 def test_rayjob_failure_raises_with_the_job_message(tmp_path) -> None:
-    from components.kuberay import demo_cluster_config
     from pipelines.kfp_pipeline import RayJobFailed, execute_step
+    from pipelines.kuberay.render import demo_cluster_config
 
     api = FakeApi(
         [
@@ -276,8 +390,8 @@ def test_rayjob_failure_raises_with_the_job_message(tmp_path) -> None:
 
 
 def test_rayjob_step_refuses_a_stale_pipeline_and_local_storage(tmp_path) -> None:
-    from components.kuberay import demo_cluster_config
     from pipelines.kfp_pipeline import execute_step
+    from pipelines.kuberay.render import demo_cluster_config
 
     kwargs = {"stages_module": __file__, "run_key": "r", "api": FakeApi([]), "poll_s": 0}
     cluster = demo_cluster_config().model_dump_json()
@@ -334,8 +448,8 @@ def test_retried_step_follows_a_live_job_and_replaces_a_failed_one() -> None:
 
 
 def test_rayjob_names_are_short_labels_stable_per_run_and_stage() -> None:
-    from components.kuberay.config import check_name
     from pipelines.kfp_pipeline import rayjob_name
+    from pipelines.kuberay.config import check_name
 
     for stage in ("parent", "distill_phase1", "x" * 80):
         check_name("RayJob", rayjob_name(stage, "run"))
@@ -374,12 +488,26 @@ def test_run_stage_only_needs_finished_upstream(tmp_path) -> None:
         )
 
 
-def test_config_parameter_is_text_or_a_path(tmp_path) -> None:
-    from pipelines.kfp_components import read_config_text
+def test_pipeline_run_of_a_step_has_the_source_tags_of_star_elastic_run(tmp_path, monkeypatch) -> None:
+    from mlflow.tracking import MlflowClient
 
-    path = _config(tmp_path)
-    assert read_config_text(path.read_text()) == path.read_text()
-    assert read_config_text(str(path)) == path.read_text()
+    from components.tracking import config_hash, git_commit
+    from pipelines.config import load_pipeline_config
+    from pipelines.kfp_components import RUN_KEY_TAG, run_stage_only
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = _config(tmp_path, tracking_uri=uri, experiment="kfp-tags")
+    run_stage_only(config, "first", stages_module=__file__, run_key="run-7", config_file="conf.yaml", log=print)
+    cfg = load_pipeline_config(config)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("kfp-tags").experiment_id
+    (parent,) = client.search_runs([experiment], filter_string=f"tags.`{RUN_KEY_TAG}` = 'run-7'")
+    tags = parent.data.tags
+    assert tags["config_sha256"] == config_hash(cfg.model_dump(mode="json", by_alias=True))
+    assert (tags["run_dir"], tags["config_file"]) == (str(cfg.run_dir), "conf.yaml")
+    commit = git_commit()
+    assert tags.get("git_commit") == tags.get("mlflow.source.git.commit") == (commit[0] if commit else None)
 
 
 def test_pipeline_run_is_found_by_its_tag() -> None:

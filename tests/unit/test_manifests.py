@@ -24,21 +24,12 @@ import pytest
 import yaml
 from jsonschema.exceptions import ValidationError
 
-from components.kuberay import (
-    ClusterConfig,
-    ServeApp,
-    ServeAutoscaling,
-    WorkerGroup,
-    demo_cluster_config,
-    main,
-    mlflow_server_manifests,
-    ray_cluster_manifest,
-    ray_job_manifest,
-    ray_service_manifest,
-    real_cluster_config,
-    render_manifests,
-    stale_manifests,
-)
+from components.serving.config import AutoscalingSettings, ServingConfig
+from pipelines.cli import main
+from pipelines.kuberay.config import ClusterConfig, WorkerGroup
+from pipelines.kuberay.manifests import mlflow_server_manifests, ray_cluster_manifest, ray_job_manifest
+from pipelines.kuberay.render import demo_cluster_config, real_cluster_config, render_manifests, stale_manifests
+from pipelines.kuberay.serve import ServeApp, ray_service_manifest
 from tests.conftest import schema_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +218,10 @@ CONFIGS = {"cpu-only": _cpu_only, "gpu-autoscaling": _gpu_autoscaling, "head-onl
 
 def _built(cfg: ClusterConfig) -> list[dict[str, Any]]:
     gpus = 1.0 if cfg.max_gpus else 0.0
-    app = {"model_uri": "s3://bucket/model", "num_gpus_per_replica": gpus, "autoscaling": {"max_replicas": 2}}
+    app = {
+        "model_uri": "s3://bucket/model",
+        "serving": {"num_gpus_per_replica": gpus, "autoscaling": {"max_replicas": 2}},
+    }
     return [
         ray_cluster_manifest(cfg, "test-cluster"),
         ray_job_manifest(cfg, "test-job", "star-elastic run /app/pipelines/configs/demo.yaml"),
@@ -241,8 +235,12 @@ def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for t in templates for c in t["spec"]["containers"]]
 
 
+def _committed_in(folder: Path, name: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all((folder / name).read_text()) if doc]
+
+
 def _committed(name: str) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all((K8S_DIR / name).read_text()) if doc]
+    return _committed_in(K8S_DIR, name)
 
 
 # The committed files.
@@ -262,16 +260,23 @@ def test_committed_manifest_validates(name: str) -> None:
 
 def test_committed_manifests_equal_a_fresh_rendering() -> None:
     stale = stale_manifests(K8S_DIR, demo_cluster_config(), real_cluster_config())
-    assert not stale, f"stale: {stale}; regenerate with `python -m components.kuberay infra/k8s`"
-    assert main(["--check", str(K8S_DIR)]) == 0
+    assert not stale, f"stale: {stale}; regenerate with `star-elastic kuberay render infra/k8s`"
+    assert main(["kuberay", "render", "--check", str(K8S_DIR)]) == 0
 
 
-def test_cli_writes_and_checks(tmp_path: Path) -> None:
-    assert main([str(tmp_path)]) == 0
+def test_cli_writes_and_checks(tmp_path: Path, capsys) -> None:
+    assert main(["kuberay", "render", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == COMMITTED
-    assert main(["--check", str(tmp_path)]) == 0
+    assert main(["kuberay", "render", "--check", str(tmp_path)]) == 0
     (tmp_path / "rayservice.yaml").write_text("# edited by hand\n")
-    assert main(["--check", str(tmp_path)]) == 1
+    capsys.readouterr()
+    assert main(["kuberay", "render", "--check", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"stale: {tmp_path / 'rayservice.yaml'}")
+    # --registry and --namespace reach every object and image.
+    assert main(["kuberay", "render", str(tmp_path), "--registry", "ghcr.io/acme", "--namespace", "ml"]) == 0
+    (job,) = _committed_in(tmp_path, "rayjob-pipeline.yaml")
+    assert job["metadata"]["namespace"] == "ml"
+    assert all(c["image"].startswith("ghcr.io/acme/star-elastic:") for c in _containers(job))
 
 
 def test_committed_tracking_uri_names_the_committed_mlflow_service() -> None:
@@ -346,16 +351,66 @@ def test_ray_job_fields() -> None:
 
 
 def test_ray_service_serve_config() -> None:
-    app = ServeApp(model_uri="models:/m@prod", autoscaling=ServeAutoscaling(min_replicas=0, max_replicas=12))
-    doc = ray_service_manifest(_gpu_autoscaling(), "s", app)
+    serving = ServingConfig(
+        max_ongoing_requests=8,
+        max_queued_requests=4,
+        num_gpus_per_replica=1,
+        autoscaling=AutoscalingSettings(min_replicas=0, max_replicas=12),
+    )
+    doc = ray_service_manifest(_gpu_autoscaling(), "s", ServeApp(model_uri="models:/m@prod", serving=serving))
     config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     (application,) = config["applications"]
     assert application["name"] == "star-elastic"
     assert application["import_path"] == "components.serving.app:build_app"
-    assert application["args"] == {"model_uri": "models:/m@prod"}
+    # The replicas get the same settings, so that they admit what Serve was told they would.
+    assert application["args"] == {
+        "model_uri": "models:/m@prod",
+        "config": {
+            "max_ongoing_requests": 8,
+            "max_queued_requests": 4,
+            "num_gpus_per_replica": 1.0,
+            "autoscaling": {"min_replicas": 0, "max_replicas": 12},
+        },
+    }
     (deployment,) = application["deployments"]
-    assert deployment["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 12, "target_ongoing_requests": 4.0}
-    assert deployment["ray_actor_options"]["num_gpus"] == 1.0
+    assert deployment["name"] == "StarElasticServer"
+    # Serve may send a replica its 8 running + 4 waiting, and 8 more to be refused with the replica's JSON 503.
+    assert deployment["max_ongoing_requests"] == 20
+    assert deployment["max_queued_requests"] == 1024  # the proxy's queue while no replica can take a request
+    assert deployment["autoscaling_config"] == {
+        "min_replicas": 0,
+        "max_replicas": 12,
+        "target_ongoing_requests": 4.0,
+        "upscale_delay_s": 10.0,
+        "downscale_delay_s": 120.0,
+    }
+    assert deployment["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert deployment == serving.deployment_options()  # what `star-elastic serve` deploys, option for option
+    assert_valid(doc)
+
+
+def test_committed_ray_service_admits_what_the_replicas_admit() -> None:
+    (service,) = _committed("rayservice.yaml")
+    (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    (deployment,) = application["deployments"]
+    replica = ServingConfig.model_validate(application["args"]["config"])
+    assert replica.max_ongoing_requests == 32 and replica.max_queued_requests == 64  # the serving defaults
+    assert deployment["max_ongoing_requests"] == 2 * 32 + 64  # not the replica's own 32: overload reaches it
+    assert deployment["autoscaling_config"]["max_replicas"] == 16
+    assert deployment["ray_actor_options"] == {"num_cpus": 8.0, "num_gpus": 1.0}
+
+
+def test_rayservice_command_derives_serve_options_from_a_pipeline_serve_section(tmp_path: Path, capsys) -> None:
+    pipeline = tmp_path / "pipeline.yaml"
+    serve = {"max_ongoing_requests": 4, "max_queued_requests": 0, "num_gpus_per_replica": 1}
+    pipeline.write_text(yaml.safe_dump({"elastic": {}, "serve": {**serve, "autoscaling": {"max_replicas": 3}}}))
+    assert main(["kuberay", "rayservice", "models:/m@champion", "--config", str(pipeline), "--namespace", "ml"]) == 0
+    (doc,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert doc["kind"] == "RayService" and doc["metadata"]["namespace"] == "ml"
+    (application,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+    assert application["deployments"][0]["max_ongoing_requests"] == 8
+    assert application["deployments"][0]["autoscaling_config"]["max_replicas"] == 3
+    assert application["args"]["config"]["max_ongoing_requests"] == 4
     assert_valid(doc)
 
 
@@ -449,7 +504,7 @@ def test_metadata_and_api_version_are_checked() -> None:
 
 
 def test_serve_config_is_checked_against_ray_serve() -> None:
-    doc = ray_service_manifest(_gpu_autoscaling(), "s", {"model_uri": "m"})
+    doc = ray_service_manifest(_gpu_autoscaling(), "s", {"model_uri": "m"})  # CPU replicas on a GPU cluster
     config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     deployment = config["applications"][0]["deployments"][0]
     deployment["autoscaling_config"]["max_replica"] = deployment["autoscaling_config"].pop("max_replicas")
@@ -478,12 +533,19 @@ def _cfg(**changes: Any) -> ClusterConfig:
         lambda: _cfg(typo=1),
         lambda: _cfg(env={"MLFLOW_TRACKING_URI": "x"}),
         lambda: _cfg(worker_groups=[_WG, _WG]),
-        lambda: ServeAutoscaling(min_replicas=3, max_replicas=2),
-        lambda: ServeApp(model_uri="m", max_ongoing_requests=2, autoscaling={"target_ongoing_requests": 4}),
+        lambda: ServeApp(model_uri="m", serving={"autoscaling": {"min_replicas": 3, "max_replicas": 2}}),
+        lambda: ServeApp(
+            model_uri="m", serving={"max_ongoing_requests": 2, "autoscaling": {"target_ongoing_requests": 4}}
+        ),
+        lambda: ServeApp(model_uri="m", num_gpus_per_replica=1),  # a serving setting outside its section
         lambda: ray_job_manifest(_cpu_only(), "Job", "echo"),
         lambda: ray_job_manifest(_cpu_only(), "j" * 48, "echo"),
-        lambda: ray_service_manifest(_cpu_only(), "s", {"model_uri": "m"}),  # wants a GPU the cluster lacks
-        lambda: ray_service_manifest(_gpu_autoscaling(), "s", {"model_uri": "m", "autoscaling": {"max_replicas": 13}}),
+        lambda: ray_service_manifest(_cpu_only(), "s", {"model_uri": "m", "serving": {"num_gpus_per_replica": 1}}),
+        lambda: ray_service_manifest(
+            _gpu_autoscaling(),
+            "s",
+            {"model_uri": "m", "serving": {"num_gpus_per_replica": 1, "autoscaling": {"max_replicas": 13}}},
+        ),
     ],
 )
 def test_bad_configs_are_refused(build) -> None:

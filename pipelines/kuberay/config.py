@@ -1,4 +1,4 @@
-"""Typed configuration of a Ray cluster on Kubernetes and of the Serve application it runs.
+"""Typed configuration of a Ray cluster on Kubernetes.
 
 Every model forbids unknown fields, so a typo in a YAML or CLI override fails at load time. The checks
 mirror what the API server or the KubeRay operator would reject later (label syntax, replica bounds,
@@ -115,42 +115,6 @@ class ClusterConfig(_Strict):
     def max_gpus(self) -> int:
         """GPUs available when every group is scaled to its maximum."""
         return sum(group.gpus * group.max_replicas for group in self.worker_groups)
-
-
-class ServeAutoscaling(_Strict):
-    """Ray Serve replica autoscaling for one deployment (Serve scales replicas; Ray scales pods)."""
-
-    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas (0 allows scale to zero).")
-    max_replicas: int = Field(default=4, ge=1, description="Most replicas.")
-    target_ongoing_requests: float = Field(default=4.0, gt=0, description="Ongoing requests per replica to aim at.")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ServeAutoscaling:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
-        return self
-
-
-class ServeApp(_Strict):
-    """The Ray Serve application a RayService runs: one weight copy per replica, every budget as a model id."""
-
-    model_uri: str = Field(description="Nested checkpoint to serve: an MLflow models:/ URI, s3:// or a path.")
-    deployment_name: str = Field(
-        default="StarElasticServer", description="Name of the Serve deployment that build_app binds."
-    )
-    import_path: str = Field(default="components.serving.app:build_app", description="Serve application builder.")
-    route_prefix: str = Field(default="/", description="HTTP route of the application.")
-    num_gpus_per_replica: float = Field(default=1.0, ge=0, description="GPUs each replica reserves.")
-    num_cpus_per_replica: float = Field(default=1.0, ge=0, description="CPUs each replica reserves.")
-    max_ongoing_requests: int = Field(default=32, ge=1, description="Requests a replica accepts before queueing.")
-    autoscaling: ServeAutoscaling = Field(default_factory=ServeAutoscaling, description="Replica autoscaling.")
-
-    @model_validator(mode="after")
-    def _headroom(self) -> ServeApp:
-        # Serve only sends up to max_ongoing_requests to a replica; a higher target could never be reached.
-        if self.max_ongoing_requests < self.autoscaling.target_ongoing_requests:
-            raise ValueError("max_ongoing_requests must be >= autoscaling.target_ongoing_requests")
-        return self
 
 
 def check_name(kind: str, name: str) -> None:

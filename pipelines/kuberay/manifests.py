@@ -1,24 +1,22 @@
-"""Builders of KubeRay (RayCluster, RayJob, RayService) and MLflow server manifests, as plain dicts.
+"""Builders of KubeRay (RayCluster, RayJob) and MLflow server manifests, as plain dicts.
 
-Every Ray manifest embeds :func:`ray_cluster_spec`, so one :class:`ClusterConfig` yields consistent
-clusters for long-lived use, for a pipeline run and for serving. Containers get the tracking URI,
+Every Ray manifest (the RayService of :mod:`pipelines.kuberay.serve` too) embeds
+:func:`ray_cluster_spec`, so one :class:`ClusterConfig` yields consistent clusters for long-lived
+use, for a pipeline run and for serving. Containers get the tracking URI,
 the storage root and the S3 endpoint as environment and S3 credentials from a Secret (``envFrom``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
-from components.kuberay.config import (
+from pipelines.kuberay.config import (
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
     MLFLOW_PORT,
     SERVE_PORT,
     ClusterConfig,
-    ServeApp,
     WorkerGroup,
     check_name,
 )
@@ -39,7 +37,8 @@ def _labels(instance: str, component: str) -> dict[str, str]:
     }
 
 
-def _metadata(name: str, namespace: str, component: str) -> dict[str, Any]:
+def object_metadata(name: str, namespace: str, component: str) -> dict[str, Any]:
+    """``metadata`` of a namespaced object: name, namespace and the project's labels."""
     return {"name": name, "namespace": namespace, "labels": _labels(name, component)}
 
 
@@ -155,7 +154,7 @@ def ray_cluster_manifest(cfg: ClusterConfig, name: str) -> dict[str, Any]:
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
-        "metadata": _metadata(name, cfg.namespace, "ray-cluster"),
+        "metadata": object_metadata(name, cfg.namespace, "ray-cluster"),
         "spec": ray_cluster_spec(cfg),
     }
 
@@ -192,56 +191,7 @@ def ray_job_manifest(
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
-        "metadata": _metadata(name, cfg.namespace, "ray-job"),
-        "spec": spec,
-    }
-
-
-def serve_deploy_config(app: ServeApp) -> dict[str, Any]:
-    """Ray Serve's declarative config (the ``serve deploy`` schema) for the one ``star-elastic`` application."""
-    deployment = {
-        "name": app.deployment_name,
-        "max_ongoing_requests": app.max_ongoing_requests,
-        "autoscaling_config": app.autoscaling.model_dump(),
-        "ray_actor_options": {"num_cpus": app.num_cpus_per_replica, "num_gpus": app.num_gpus_per_replica},
-    }
-    return {
-        "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": SERVE_PORT},
-        "applications": [
-            {
-                "name": "star-elastic",
-                "route_prefix": app.route_prefix,
-                "import_path": app.import_path,
-                "args": {"model_uri": app.model_uri},
-                "deployments": [deployment],
-            }
-        ],
-    }
-
-
-def ray_service_manifest(cfg: ClusterConfig, name: str, serve_config: Mapping[str, Any] | ServeApp) -> dict[str, Any]:
-    """A ``RayService``: a cluster from ``cfg`` running the Serve app described by ``serve_config``.
-
-    ``serve_config`` is a :class:`ServeApp` or a dict of its fields (at least ``model_uri``). Serve
-    autoscaling adds replicas; the Ray autoscaler (``cfg.autoscaling``) adds the pods they need.
-    """
-    check_name("RayService", name)
-    app = serve_config if isinstance(serve_config, ServeApp) else ServeApp.model_validate(dict(serve_config))
-    needed = app.num_gpus_per_replica * app.autoscaling.max_replicas
-    if needed > cfg.max_gpus:
-        raise ValueError(
-            f"{app.autoscaling.max_replicas} replicas x {app.num_gpus_per_replica} GPUs need {needed:g} GPUs, "
-            f"but the cluster has at most {cfg.max_gpus}; replicas beyond that would stay pending forever"
-        )
-    spec = {
-        "serveConfigV2": yaml.safe_dump(serve_deploy_config(app), sort_keys=False),
-        "rayClusterConfig": ray_cluster_spec(cfg),
-    }
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayService",
-        "metadata": _metadata(name, cfg.namespace, "ray-service"),
+        "metadata": object_metadata(name, cfg.namespace, "ray-job"),
         "spec": spec,
     }
 
