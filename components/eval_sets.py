@@ -21,7 +21,6 @@ is dropped, so a set grouped by ``level`` reads ``"1"``, ``"2"``, ... like the d
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components.data.answers import AnswerFormat
+from components.data.jsonl import iter_jsonl
 from components.data.reasoning import generate_eval_sets
 
 __all__ = [
@@ -178,28 +178,19 @@ def load_eval_set(
     fmt = cfg.answer_format or fmt
     groups: dict[str, list[EvalItem]] = {}
     n = 0
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            if cfg.limit is not None and n >= cfg.limit:
-                break
-            where = f"eval_sets[{index}] {cfg.path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            messages = _messages(row, cfg, where)
-            answer = _scalar(row, cfg.answer_field, where)
-            if cfg.group_by is None:
-                label = cfg.label
-            else:
-                value = _scalar(row, cfg.group_by, where)
-                label = f"{cfg.label}/{value}" if prefix else value
-            groups.setdefault(label, []).append(EvalItem(messages, answer, label, fmt))
-            n += 1
+    for lineno, row in iter_jsonl(path, label=f"eval_sets[{index}] {cfg.path}"):
+        where = f"eval_sets[{index}] {cfg.path}:{lineno}"
+        messages = _messages(row, cfg, where)
+        answer = _scalar(row, cfg.answer_field, where)
+        if cfg.group_by is None:
+            label = cfg.label
+        else:
+            value = _scalar(row, cfg.group_by, where)
+            label = f"{cfg.label}/{value}" if prefix else value
+        groups.setdefault(label, []).append(EvalItem(messages, answer, label, fmt))
+        n += 1
+        if n == cfg.limit:  # stop before reading the next line
+            break
     if not n:
         raise ValueError(f"eval_sets[{index}]: {cfg.path} holds no rows")
     if cfg.group_by is None:

@@ -12,8 +12,9 @@ model, so ``mlflow.pyfunc.load_model("models:/NAME@champion")``, ``mlflow.models
 Design choices:
 
 * ``predict`` is thin: the weights load through the serving loader (:class:`LoadedModel`: one weight
-  copy, every budget a view of it); a chat prompt goes through the checkpoint's chat template as the
-  server renders it; generation is :func:`model.phases.budget_control` for prompts that think and
+  copy, every budget a view of it); prompts follow the server's rules
+  (:class:`~components.serving.prompts.PromptRules`: the chat template, control text refused);
+  generation is :func:`model.phases.budget_control` for prompts that think and
   :func:`model.generate.decode_rows` for plain completions, what evaluation and the engine build on.
 * Input: a list of requests (dicts, or a DataFrame with a row each), typed by :class:`GenerationRequest`,
   whose type hint on ``predict`` is where MLflow takes the signature from and what it validates every
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
     from components.serving.config import ServingConfig
     from components.serving.loading import LoadedModel
+    from components.serving.prompts import PromptRules
 
 CHECKPOINT_ARTIFACT = "checkpoint"
 """Key of the nested checkpoint folder in the pyfunc's ``artifacts``."""
@@ -138,54 +140,10 @@ class _Plan:
         return self.budget, self.think, self.cap, self.max_tokens, self.temperature, self.top_p, self.seed
 
 
-class _Prompts:
-    """Prompt ids the way the server builds them: chat through the checkpoint's chat template (control text
-    refused, the thinking opened when the template does not open it), completions as raw text."""
+def _plan(loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, config: ServingConfig, row: int) -> _Plan:
+    """What row ``row`` decodes; a request the rules refuse is a ``ValueError`` naming the row and the field."""
+    from components.serving.prompts import PromptError, check_length
 
-    def __init__(self, loaded: LoadedModel) -> None:
-        tok = self.tok = loaded.tokenizer
-        self.markers = tuple(m for m in (tok.markers.think_open, tok.markers.think_close) if m)
-        self.tail = len(tok.think_open_ids) + len(tok.think_close_ids) + 8  # tokens decoded to find a marker
-
-    def forbidden(self, text: str) -> list[str]:
-        found = list(self.tok.contains_special(text))
-        return found + [m for m in self.markers if m in text and m not in found]
-
-    def thinking(self, ids: list[int]) -> str | None:
-        """``"open"`` / ``"closed"`` when ``ids`` end with that marker (trailing whitespace aside), else None."""
-        tail = self.tok.decode(ids[-self.tail :]).rstrip()
-        if tail.endswith(self.tok.markers.think_open):
-            return "open"
-        return "closed" if tail.endswith(self.tok.markers.think_close) else None
-
-    def chat(self, messages: list[ChatTurn]) -> tuple[list[int], bool]:
-        if not any(m.role == "user" for m in messages):
-            raise ValueError("messages: at least one message with role 'user' is required")
-        for i, m in enumerate(messages):
-            bad = self.forbidden(m.content)
-            if bad:  # it would act as a control token
-                raise ValueError(
-                    f"messages.{i}.content: must not contain the special tokens or reasoning markers {bad}"
-                )
-        ids = list(self.tok.prompt_ids([m.model_dump() for m in messages]))
-        state = self.thinking(ids)
-        if state is None:  # the template does not open the thinking: open it, so budget control applies
-            ids += list(self.tok.think_open_ids)
-        return ids, state != "closed"
-
-    def completion(self, prompt: str) -> tuple[list[int], bool]:
-        ids = self.tok.encode(prompt)
-        return ids, bool(ids) and self.thinking(ids) == "open"
-
-    def text(self, ids: Sequence[int]) -> str:
-        """What a client is shown of ``ids``: no special tokens, no reasoning marker strings."""
-        text = self.tok.decode(ids, skip_special=True)
-        for marker in self.markers:
-            text = text.replace(marker, "")
-        return text
-
-
-def _plan(loaded: LoadedModel, prompts: _Prompts, req: GenerationRequest, config: ServingConfig, row: int) -> _Plan:
     def known(name: str, field: str) -> str:
         if name not in loaded.cards:
             raise ValueError(f"row {row}: {field}: unknown budget {name!r}; the model has {list(loaded.cards)}")
@@ -197,13 +155,13 @@ def _plan(loaded: LoadedModel, prompts: _Prompts, req: GenerationRequest, config
         if value is not None and value > config.max_tokens_limit:
             raise ValueError(f"row {row}: {field}: {value} is above max_tokens_limit {config.max_tokens_limit}")
     try:
-        ids, thinks = prompts.chat(req.messages) if req.messages is not None else prompts.completion(req.prompt or "")
-    except ValueError as err:
+        if req.messages is not None:
+            ids, thinks = rules.chat([m.model_dump() for m in req.messages])
+        else:
+            ids, thinks = rules.completion(req.prompt or "")
+        check_length(ids, config.max_prompt_tokens, "messages" if req.messages is not None else "prompt")
+    except PromptError as err:
         raise ValueError(f"row {row}: {err}") from None
-    if not ids:
-        raise ValueError(f"row {row}: prompt: empty prompt")
-    if len(ids) > config.max_prompt_tokens:
-        raise ValueError(f"row {row}: prompt: {len(ids)} tokens, above max_prompt_tokens {config.max_prompt_tokens}")
     think, cap = None, None
     if thinks:
         think = known(req.think_model, "think_model") if req.think_model is not None else budget
@@ -217,7 +175,7 @@ def _plan(loaded: LoadedModel, prompts: _Prompts, req: GenerationRequest, config
     elif req.think_model is not None or req.reasoning_budget is not None:
         raise ValueError(
             f"row {row}: think_model / reasoning_budget: this prompt has no thinking phase (a completion prompt "
-            f"must end with {prompts.tok.markers.think_open!r} to think)"
+            f"must end with {rules.tokenizer.markers.think_open!r} to think)"
         )
     temperature = 0.0 if req.temperature is None else req.temperature
     return _Plan(ids, budget, think, cap, max_tokens, temperature, 1.0 if req.top_p is None else req.top_p, req.seed)
@@ -227,10 +185,11 @@ def generate(
     loaded: LoadedModel, requests: Sequence[GenerationRequest], config: ServingConfig
 ) -> list[GenerationResult]:
     """Answer every request (outputs in input order); rows with equal settings decode as one batch."""
+    from components.serving.prompts import PromptRules
     from model.generate import RowStart, SamplingParams, decode_rows
     from model.phases import budget_control
 
-    rules = _Prompts(loaded)
+    rules = PromptRules(loaded.tokenizer)
     plans = [_plan(loaded, rules, r, config, i) for i, r in enumerate(requests)]
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(plans):
@@ -251,8 +210,8 @@ def generate(
             for i, r in zip(rows, outs, strict=True):
                 answer = r.answer_tokens[:-1] if r.answer_stop == "stop_id" else r.answer_tokens
                 results[i] = GenerationResult(
-                    text=rules.text(answer),
-                    reasoning=rules.text(r.think_tokens),
+                    text=rules.visible_text(answer),
+                    reasoning=rules.visible_text(r.think_tokens),
                     budget=first.budget,
                     think_model=first.think,
                     finish_reason="length" if r.answer_stop == "length" else "stop",
@@ -269,7 +228,7 @@ def generate(
             for i, o in zip(rows, outs, strict=True):
                 answer = o.tokens[:-1] if o.stop_reason == "stop_id" else o.tokens
                 results[i] = GenerationResult(
-                    text=rules.text(answer),
+                    text=rules.visible_text(answer),
                     reasoning=None,
                     budget=first.budget,
                     think_model=None,

@@ -133,7 +133,7 @@ def stdlib_paragraphs(limit: int) -> list[str]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 doc = importlib.import_module(name).__doc__ or ""
-        except Exception:  # noqa: BLE001 - any module that fails to import is simply skipped
+        except Exception:  # any module that fails to import is simply skipped
             continue
         for para in re.split(r"\n\s*\n", doc):
             text = " ".join(para.split())

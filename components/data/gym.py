@@ -7,15 +7,10 @@ question, assistant = answer (direct-answer examples; useful as prompts for eval
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from components.data.reasoning import PROMPT_PREFIX, Problem, derive_seed
-from components.data.render import Row
-
-if TYPE_CHECKING:
-    from components.data.sources import ReasoningGymSource
+from components.data.sources import ChunkedReader, ReasoningGymSource
 
 __all__ = ["GymReader", "gym_available", "reasoning_gym_problems", "require_gym"]
 
@@ -66,40 +61,26 @@ def reasoning_gym_problems(task_name: str, n: int, seed: int, **task_config: Any
     ]
 
 
-class GymReader:
-    """Rows of a :class:`~components.data.sources.ReasoningGymSource`: position ``p`` is entry
-    ``p % CHUNK`` of a dataset of ``CHUNK`` entries seeded by ``p // CHUNK``."""
+class GymReader(ChunkedReader[tuple[str, str]]):
+    """Rows of a :class:`~components.data.sources.ReasoningGymSource`: chunk ``c`` is a dataset of
+    ``CHUNK`` ``(question, answer)`` entries seeded by ``c`` (and the stream and rank)."""
 
-    CHUNK = 512
+    CHUNK, CACHED = 512, 16
 
     def __init__(self, source: ReasoningGymSource, name: str) -> None:
         require_gym()
-        self.source, self.name = source, name
-        self._chunks: OrderedDict[tuple, list[tuple[str, str]]] = OrderedDict()
+        super().__init__(name)
+        self.source = source
 
-    def _chunk(self, stream: int, rank: int, c: int) -> list[tuple[str, str]]:
-        key = (stream, rank, c)
-        if key not in self._chunks:
-            seed = derive_seed("gym", stream, rank, c) % (2**31)
-            self._chunks[key] = _entries(self.source.task, self.CHUNK, seed, dict(self.source.task_config))
-            if len(self._chunks) > 16:
-                self._chunks.popitem(last=False)
-        return self._chunks[key]
+    def make_chunk(self, stream: int, rank: int, c: int, exclude: frozenset[str] | None) -> list[tuple[str, str]]:
+        seed = derive_seed("gym", stream, rank, c) % (2**31)
+        return _entries(self.source.task, self.CHUNK, seed, dict(self.source.task_config))
 
-    def rows(
-        self, positions: Sequence[int], stream: int, rank: int, world: int, exclude: frozenset[str] | None
-    ) -> list[Row]:
-        """Rows at ``positions``; an excluded question is replaced by the next entry of its chunk."""
-        out = []
-        for p in positions:
-            chunk = self._chunk(stream, rank, p // self.CHUNK)
-            k = p % self.CHUNK
-            for step in range(self.CHUNK):
-                question, answer = chunk[(k + step) % self.CHUNK]
-                if not exclude or question not in exclude:
-                    break
-            else:
-                raise ValueError(f"source {self.name!r}: exclude covers a whole chunk of {self.CHUNK} problems")
-            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-            out.append(Row(f"{self.name}:{p}", messages=messages))
-        return out
+    def messages(self, chunk: list[tuple[str, str]], k: int, exclude: frozenset[str] | None) -> list[dict[str, Any]]:
+        """Entry ``k`` as a chat pair; an excluded question is replaced by the next entry of its chunk
+        (the package cannot leave questions out when it generates)."""
+        for step in range(self.CHUNK):
+            question, answer = chunk[(k + step) % self.CHUNK]
+            if not exclude or question not in exclude:
+                return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        raise ValueError(f"source {self.name!r}: exclude covers a whole chunk of {self.CHUNK} problems")

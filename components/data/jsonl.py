@@ -8,14 +8,36 @@ reading small files where a line number in the error matters more than speed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from components.data.reasoning import Problem
 from components.data.sources import problem_messages
 
-__all__ = ["problem_rows", "read_jsonl", "write_jsonl"]
+__all__ = ["iter_jsonl", "problem_rows", "read_jsonl", "write_jsonl"]
+
+
+def iter_jsonl(path: str | Path, label: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(1-based line number, object)`` for each non-empty line of a JSONL file, read lazily.
+
+    ``label``: how errors name the file (default: ``path``), e.g. the URI it was downloaded from.
+
+    Raises:
+        ValueError: for a line that is not a JSON object, as ``"<label>:<line>: ..."``.
+    """
+    label = str(path) if label is None else label
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{label}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{label}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -24,20 +46,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     Raises:
         ValueError: for a line that is not a JSON object, naming the file and the 1-based line.
     """
-    path = Path(path)
-    records: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            records.append(obj)
-    return records
+    return [obj for _, obj in iter_jsonl(path)]
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], path: str | Path) -> Path:

@@ -21,11 +21,12 @@ as a sequence of epochs, each a fresh permutation of this rank's shard (the rows
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
-from functools import cached_property
+from collections.abc import Callable, Hashable, Sequence
+from functools import cached_property, partial
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -35,6 +36,8 @@ from components.data.reasoning import ANSWER_PREFIX, Problem, ProblemConfig, der
 from components.data.render import Row
 
 __all__ = [
+    "BoundedCache",
+    "ChunkedReader",
     "DataConfig",
     "FilesReader",
     "FilesSource",
@@ -48,6 +51,8 @@ __all__ = [
 ]
 
 Layout = Literal["chat", "prompt_response", "text"]
+V = TypeVar("V")
+Item = TypeVar("Item")
 #: Mixture proportions are exact over blocks of this many examples, so a weight below 1/MIX_BLOCK is refused.
 MIX_BLOCK = 1000
 
@@ -291,6 +296,28 @@ def _load_file(path: Path, source: FilesSource, cache_dir: str | None) -> Any:
     return ds.rename_columns(renames) if renames else ds
 
 
+class BoundedCache(Generic[V]):
+    """At most ``size`` values by key, the least recently used dropped first: what a reader recomputes
+    cheaply but not per row (shards, permutations, generated chunks)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Hashable, make: Callable[[], V]) -> V:
+        """The value of ``key``, from ``make()`` when it is not held."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = self._items[key] = make()
+        if len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return value
+
+
 class FilesReader:
     """Rows of a :class:`FilesSource`, by position in a per-rank stream of epochs."""
 
@@ -305,8 +332,8 @@ class FilesReader:
         self.offsets = np.cumsum([0] + [len(ds) for ds in self.datasets])
         if self.offsets[-1] == 0:
             raise ValueError(f"source {name!r}: the files {[str(p) for p in self.files]} hold no rows")
-        self._usable: OrderedDict[tuple, np.ndarray] = OrderedDict()
-        self._perms: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._usable: BoundedCache[np.ndarray] = BoundedCache(8)
+        self._perms: BoundedCache[np.ndarray] = BoundedCache(16)
 
     @property
     def n_rows(self) -> int:
@@ -327,20 +354,18 @@ class FilesReader:
 
     def usable(self, rank: int, world: int, exclude: frozenset[str] | None) -> np.ndarray:
         """Global indices of this rank's shard (``index % world == rank``) whose user turns are not in ``exclude``."""
-        key = (rank, world, exclude)
-        if key not in self._usable:
-            shard = np.arange(rank, self.n_rows, world, dtype=np.int64)
-            if exclude:
-                shard = shard[~self._excluded(exclude)[shard]]
-            if len(shard) == 0:
-                raise ValueError(
-                    f"source {self.name!r}: rank {rank} of {world} gets no rows ({self.n_rows} rows in all"
-                    f"{', exclude removes the rest' if exclude else ''})"
-                )
-            self._usable[key] = shard
-            if len(self._usable) > 8:
-                self._usable.popitem(last=False)
-        return self._usable[key]
+        return self._usable.get((rank, world, exclude), partial(self._shard, rank, world, exclude))
+
+    def _shard(self, rank: int, world: int, exclude: frozenset[str] | None) -> np.ndarray:
+        shard = np.arange(rank, self.n_rows, world, dtype=np.int64)
+        if exclude:
+            shard = shard[~self._excluded(exclude)[shard]]
+        if len(shard) == 0:
+            raise ValueError(
+                f"source {self.name!r}: rank {rank} of {world} gets no rows ({self.n_rows} rows in all"
+                f"{', exclude removes the rest' if exclude else ''})"
+            )
+        return shard
 
     def _excluded(self, exclude: frozenset[str]) -> np.ndarray:
         """``bool (n_rows,)``: rows with a user turn in ``exclude`` (reads only the prompt / messages column)."""
@@ -362,12 +387,8 @@ class FilesReader:
         return np.concatenate(flags)
 
     def _permutation(self, stream: int, epoch: int, n: int) -> np.ndarray:
-        key = (stream, epoch, n)
-        if key not in self._perms:
-            self._perms[key] = np.random.default_rng(derive_seed("epoch", stream, epoch)).permutation(n)
-            if len(self._perms) > 16:
-                self._perms.popitem(last=False)
-        return self._perms[key]
+        make = lambda: np.random.default_rng(derive_seed("epoch", stream, epoch)).permutation(n)
+        return self._perms.get((stream, epoch, n), make)
 
     def rows(
         self, positions: Sequence[int], stream: int, rank: int, world: int, exclude: frozenset[str] | None
@@ -393,36 +414,53 @@ def problem_messages(problem: Problem) -> list[dict[str, Any]]:
     ]
 
 
-class GeneratorReader:
-    """Rows of a :class:`GeneratorSource`: position ``p`` is problem ``p % CHUNK`` of chunk ``p // CHUNK``,
-    each chunk drawn from its own seed (random access without replaying the stream)."""
+class ChunkedReader(ABC, Generic[Item]):
+    """Rows of a procedural source: position ``p`` of a rank's stream is item ``p % CHUNK`` of chunk
+    ``p // CHUNK``, each chunk made from its own seed (random access without replaying the stream; each
+    rank draws its own items). The last ``CACHED`` chunks are kept."""
 
-    CHUNK = 256
+    CHUNK: ClassVar[int]
+    CACHED: ClassVar[int]
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._chunks: BoundedCache[list[Item]] = BoundedCache(self.CACHED)
+
+    @abstractmethod
+    def make_chunk(self, stream: int, rank: int, c: int, exclude: frozenset[str] | None) -> list[Item]:
+        """Chunk ``c`` of rank ``rank``'s stream ``stream``: ``CHUNK`` items, deterministic by those numbers."""
+
+    @abstractmethod
+    def messages(self, chunk: list[Item], k: int, exclude: frozenset[str] | None) -> list[dict[str, Any]]:
+        """The chat row of item ``k`` of ``chunk``."""
+
+    def rows(
+        self, positions: Sequence[int], stream: int, rank: int, world: int, exclude: frozenset[str] | None
+    ) -> list[Row]:
+        """Rows at ``positions`` of rank ``rank``'s stream (``world`` is not needed: ranks draw apart)."""
+        out = []
+        for p in positions:
+            c, k = divmod(p, self.CHUNK)
+            chunk = self._chunks.get((stream, rank, c, exclude), partial(self.make_chunk, stream, rank, c, exclude))
+            out.append(Row(f"{self.name}:{p}", messages=self.messages(chunk, k, exclude)))
+        return out
+
+
+class GeneratorReader(ChunkedReader[Problem]):
+    """Rows of a :class:`GeneratorSource`; each chunk is generated with ``exclude`` left out."""
+
+    CHUNK, CACHED = 256, 64
 
     def __init__(self, source: GeneratorSource, name: str) -> None:
-        self.source, self.name = source, name
-        self._chunks: OrderedDict[tuple, list[Problem]] = OrderedDict()
+        super().__init__(name)
+        self.source = source
 
     @cached_property
     def config(self) -> ProblemConfig:
         return self.source.problem_config()
 
-    def _chunk(self, stream: int, rank: int, c: int, exclude: frozenset[str] | None) -> list[Problem]:
-        key = (stream, rank, c, exclude)
-        if key not in self._chunks:
-            self._chunks[key] = generate_problems(
-                self.CHUNK, self.config, derive_seed("chunk", stream, rank, c), exclude=exclude
-            )
-            if len(self._chunks) > 64:
-                self._chunks.popitem(last=False)
-        return self._chunks[key]
+    def make_chunk(self, stream: int, rank: int, c: int, exclude: frozenset[str] | None) -> list[Problem]:
+        return generate_problems(self.CHUNK, self.config, derive_seed("chunk", stream, rank, c), exclude=exclude)
 
-    def rows(
-        self, positions: Sequence[int], stream: int, rank: int, world: int, exclude: frozenset[str] | None
-    ) -> list[Row]:
-        """Rows at ``positions`` of rank ``rank``'s stream (each rank draws its own problems)."""
-        out = []
-        for p in positions:
-            problem = self._chunk(stream, rank, p // self.CHUNK, exclude)[p % self.CHUNK]
-            out.append(Row(f"{self.name}:{p}", messages=problem_messages(problem)))
-        return out
+    def messages(self, chunk: list[Problem], k: int, exclude: frozenset[str] | None) -> list[dict[str, Any]]:
+        return problem_messages(chunk[k])

@@ -2,8 +2,9 @@
 
 ``build_app(args)`` is the Serve application builder (``components.serving.app:build_app``),
 ``serve_foreground(model_uri, port, config)`` serves locally until SIGTERM / Ctrl-C (what
-``star-elastic serve`` runs), ``ServingConfig`` documents every setting. The Ray-dependent entry
-points are imported on first use so that reading the config does not start importing Ray.
+``star-elastic serve`` runs), ``ServingApp(state)`` is the HTTP API without Ray, ``ServingConfig``
+documents every setting. The Ray-dependent entry points are imported on first use so that reading
+the config does not start importing Ray.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from typing import Any
 
 from components.serving.config import AutoscalingSettings, ServingConfig, load_config
 
-__all__ = ["AutoscalingSettings", "ServingConfig", "build_app", "create_app", "load_config", "serve_foreground"]
+__all__ = ["AutoscalingSettings", "ServingApp", "ServingConfig", "build_app", "load_config", "serve_foreground"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build_app", "serve_foreground", "create_app"):
+    if name in ("build_app", "serve_foreground", "ServingApp"):
         from components.serving import app
 
         return getattr(app, name)

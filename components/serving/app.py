@@ -10,7 +10,8 @@ Entry points:
 * ``serve_foreground(model_uri, port, config)``: what ``star-elastic serve CHECKPOINT_OR_MODEL_URI
   --port N`` runs. Starts a local Ray (unless one is running), serves on ``host:port`` until
   SIGTERM or Ctrl-C, then ``serve.shutdown()``.
-* ``create_app(state)``: the FastAPI app alone (no Ray), e.g. under uvicorn or in a benchmark.
+* ``ServingApp(state)``: the HTTP API alone (no Ray): ``.fastapi`` is the ASGI app (e.g. under
+  uvicorn, or an in-process transport in a test or benchmark), ``.close()`` stops the decode thread.
 
 Examples::
 
@@ -29,7 +30,8 @@ need the bearer key when one is configured; the probes and ``/metrics`` never do
 Design choices:
 
 * A plain deployment with a FastAPI ingress whose app is built on the replica after the model is
-  loaded (``__serve_build_asgi_app__``), so the same app serves with and without Ray. No Serve
+  loaded (``__serve_build_asgi_app__``), so the same app serves with and without Ray. Shutdown is
+  the app's lifespan (Serve and uvicorn both run it), never a finalizer. No Serve
   model multiplexing: budgets are views of one weight set, so any replica serves any budget and
   there is nothing to load or evict per model id.
 * Every request error is answered here as an OpenAI-style JSON error (4xx for the client's
@@ -46,22 +48,25 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from components.serving import protocol as P
 from components.serving.config import APP_NAME, ServingConfig, load_config
 from components.serving.engine import JobResult
-from components.serving.responses import Renderer, collect
+from components.serving.responses import Finish, Renderer, collect
 from components.serving.state import ServingState
 
-__all__ = ["ServingState", "StarElasticServer", "build_app", "create_app", "serve_foreground"]
+__all__ = ["ServingApp", "ServingState", "StarElasticServer", "build_app", "serve_foreground"]
 
 log = logging.getLogger("star_elastic.serving")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -71,161 +76,208 @@ def error_response(err: P.OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-# ---------------------------------------------------------------------- the FastAPI app
-def create_app(state: ServingState) -> FastAPI:
-    """The HTTP API over one :class:`ServingState` (see the module docstring for the routes)."""
-    app = FastAPI(title="star-elastic", description="Every budget of a nested elastic checkpoint.")
-    token_text = lambda i: state.loaded.tokenizer.decode([i])  # noqa: E731 - a token as logprobs show it
+# ---------------------------------------------------------------------- the HTTP API
+class ServingApp:
+    """The HTTP API over one :class:`ServingState`: one method per route, ``fastapi`` the ASGI app.
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(P.OpenAIError(exc.status_code, str(exc.detail), code=code))
+    ``close()`` stops the decode thread. The app's lifespan calls it when the ASGI server shuts down
+    (uvicorn, or Ray Serve stopping the replica); a caller that drives the app without a lifespan
+    (an in-process transport) calls it itself.
+    """
 
-    def finish(route: str, budget: str, status: int, results: list[JobResult] | None = None, prompt: int = 0) -> None:
-        latency = ttft = tokens = None
-        if results:
-            latency = max(r.total_s for r in results)
-            ttft = min(r.first_token_s for r in results)
-            tokens = {
-                "prompt": prompt,
-                "reasoning": sum(r.reasoning_tokens for r in results),
-                "completion": sum(r.reasoning_tokens + r.answer_tokens for r in results),
-            }
-        state.metrics.record(budget, route, status, latency, ttft, tokens)
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+        self.fastapi = FastAPI(
+            title="star-elastic", description="Every budget of a nested elastic checkpoint.", lifespan=self._lifespan
+        )
+        self.fastapi.add_exception_handler(StarletteHTTPException, self.http_error)
+        routes = [
+            ("GET", "/health", self.health),
+            ("GET", "/ready", self.ready),
+            ("GET", "/v1/models", self.list_models),
+            ("GET", "/v1/models/{model_id}", self.get_model),
+            ("POST", "/v1/chat/completions", self.chat_completions),
+            ("POST", "/v1/completions", self.completions),
+            ("GET", "/stats", self.stats),
+            ("GET", "/metrics", self.metrics),
+        ]
+        for method, path, endpoint in routes:
+            self.fastapi.add_api_route(path, endpoint, methods=[method])
 
-    async def generate(request: Request, route: str, cls: type) -> Response:
-        budget, admitted, streaming = "none", False, False
+    def close(self) -> None:
+        """Stop the decode thread (idempotent); requests after it are answered 503."""
+        self.state.close()
+
+    @asynccontextmanager
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         try:
-            state.authorize(request)
-            req = P.parse_request(cls, await state.read_body(request))
-            budget = req.model if req.model in state.cards else "unknown"
-            jobs, prompts = state.make_jobs(req)
-            n_prompt = sum(len(p.ids) for p in prompts)
-            await state.admission.acquire()
-            admitted = True
-            state.submit(jobs)
-            render = Renderer(req, jobs, prompts, token_text)
-            if req.stream:
-
-                async def events():
-                    try:
-                        async for event in render.stream(
-                            lambda status, rs: finish(route, budget, status, rs, n_prompt)
-                        ):
-                            yield event
-                    finally:
-                        state.admission.release()
-
-                streaming = True
-                return StreamingResponse(events(), media_type="text/event-stream")
-            results = await collect(jobs)
-        except P.OpenAIError as err:
-            finish(route, budget, err.status)
-            return error_response(err)
-        except Exception as err:  # a bug, not the client's fault: answer 500 and keep serving
-            log.exception("request failed")
-            finish(route, budget, 500)
-            return error_response(P.OpenAIError(500, f"internal error: {type(err).__name__}", type="server_error"))
+            yield
         finally:
-            if admitted and not streaming:
-                state.admission.release()
-        finish(route, budget, 200, results, n_prompt)
-        return Response(render.body(results).model_dump_json(), media_type="application/json")
+            self.close()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, "chat", P.ChatCompletionRequest)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completions", P.CompletionRequest)
-
-    def cards() -> list[P.ModelCard]:
-        created = int(state.started_at)
-        fmt = state.loaded.format
-        return [
-            P.ModelCard(
-                id=c.name, created=created, total_params=c.total_params, active_params=c.active_params,
-                active_fraction=c.active_fraction, architecture=c.architecture, format=fmt,
-            )
-            for c in state.cards.values()
-        ]  # fmt: skip
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        try:
-            state.authorize(request)
-        except P.OpenAIError as err:
-            return error_response(err)
-        return Response(P.ModelList(data=cards()).model_dump_json(), media_type="application/json")
-
-    @app.get("/v1/models/{model_id}")
-    async def get_model(model_id: str, request: Request) -> Response:
-        try:
-            state.authorize(request)
-            state.check_budget(model_id, "model")
-        except P.OpenAIError as err:
-            return error_response(err)
-        card = next(c for c in cards() if c.id == model_id)
-        return Response(card.model_dump_json(), media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = state.engine.alive
+    # ------------------------------------------------------------------ routes
+    async def health(self) -> JSONResponse:
+        """Liveness: 200 while the decode thread runs, else 503 with its error."""
+        state, ok = self.state, self.state.engine.alive
         body = {"status": "ok" if ok else "unhealthy", "pid": state.pid, "started_at": state.started_at}
         if not ok:
             body["error"] = state.engine.error or "the decode thread is not running"
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        ok = state.engine.alive
-        return JSONResponse({"ready": ok, "models": list(state.cards)}, status_code=200 if ok else 503)
+    async def ready(self) -> JSONResponse:
+        ok = self.state.engine.alive
+        return JSONResponse({"ready": ok, "models": list(self.state.cards)}, status_code=200 if ok else 503)
 
-    @app.get("/stats")
-    async def stats(request: Request) -> Response:
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self.state.authorize(request)
+        except P.OpenAIError as err:
+            return error_response(err)
+        return _json(P.ModelList(data=self._cards()))
+
+    async def get_model(self, model_id: str, request: Request) -> Response:
+        try:
+            self.state.authorize(request)
+            self.state.check_budget(model_id, "model")
+        except P.OpenAIError as err:
+            return error_response(err)
+        return _json(next(c for c in self._cards() if c.id == model_id))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat", P.ChatCompletionRequest)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions", P.CompletionRequest)
+
+    async def stats(self, request: Request) -> Response:
+        """Per-budget metrics, engine counters, admission and memory of this replica, as JSON."""
+        state = self.state
         try:
             state.authorize(request)
         except P.OpenAIError as err:
             return error_response(err)
+        admission = state.admission
         body = {
-            "pid": state.pid, "started_at": state.started_at, "format": state.loaded.format,
-            "models": list(state.cards), "engine": state.engine.snapshot_stats(), "metrics": state.metrics.snapshot(),
-            "admission": {"running": state.admission.running, "waiting": state.admission.waiting,
-                          "rejected": state.admission.rejected},
-            "metrics_exported_to_ray": state.metrics.exported, **state.memory(),
-        }  # fmt: skip
+            "pid": state.pid,
+            "started_at": state.started_at,
+            "format": state.loaded.format,
+            "models": list(state.cards),
+            "engine": state.engine.snapshot_stats(),
+            "metrics": state.metrics.snapshot(),
+            "admission": {"running": admission.running, "waiting": admission.waiting, "rejected": admission.rejected},
+            "metrics_exported_to_ray": state.metrics.exported,
+            **state.memory(),
+        }
         return JSONResponse(body)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.prometheus(state.gauges()), media_type=PROMETHEUS_TEXT)
+    async def metrics(self) -> Response:
+        return Response(self.state.metrics.prometheus(self.state.gauges()), media_type=PROMETHEUS_TEXT)
 
-    return app
+    async def http_error(self, _: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (unknown path, wrong method) in the OpenAI shape."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(P.OpenAIError(exc.status_code, str(exc.detail), code=code))
+
+    # ------------------------------------------------------------------ generation
+    async def _generate(self, request: Request, route: str, cls: type) -> Response:
+        """Parse, admit, submit, then answer at once or stream; every failure is an OpenAI-shaped error."""
+        state, budget = self.state, "none"
+        try:
+            state.authorize(request)
+            req = P.parse_request(cls, await state.read_body(request))
+            budget = req.model if req.model in state.cards else "unknown"
+            jobs, prompts = state.make_jobs(req)
+            await state.admission.acquire()
+        except Exception as err:
+            return self._failed(route, budget, err)
+        finish = partial(self._record, route, budget, prompt=sum(len(p.ids) for p in prompts))
+        release = True  # the request holds its admission slot until its last token is sent
+        try:
+            state.submit(jobs)
+            render = Renderer(req, jobs, prompts, self._token_text)
+            if req.stream:
+                release = False  # the stream releases the slot after its last event
+                return StreamingResponse(self._events(render, finish), media_type="text/event-stream")
+            results = await collect(jobs)
+            body = render.body(results).model_dump_json()
+        except Exception as err:
+            return self._failed(route, budget, err)
+        finally:
+            if release:
+                state.admission.release()
+        finish(200, results)
+        return Response(body, media_type="application/json")
+
+    async def _events(self, render: Renderer, finish: Finish) -> AsyncIterator[bytes]:
+        try:
+            async for event in render.stream(finish):
+                yield event
+        finally:
+            self.state.admission.release()
+
+    def _failed(self, route: str, budget: str, err: Exception) -> JSONResponse:
+        """The error answer for ``err``: the client's mistakes as they are, anything else a 500."""
+        if not isinstance(err, P.OpenAIError):  # a bug, not the client's fault: answer 500 and keep serving
+            log.error("request failed", exc_info=err)
+            err = P.OpenAIError(500, f"internal error: {type(err).__name__}", type="server_error")
+        self._record(route, budget, err.status)
+        return error_response(err)
+
+    def _record(
+        self, route: str, budget: str, status: int, results: list[JobResult] | None = None, prompt: int = 0
+    ) -> None:
+        """Metrics of one finished request (latency, time to first token and tokens only when it produced any)."""
+        latency = ttft = tokens = None
+        if results:
+            latency = max(r.total_s for r in results)
+            ttft = min(r.first_token_s for r in results)
+            reasoning = sum(r.reasoning_tokens for r in results)
+            completion = sum(r.reasoning_tokens + r.answer_tokens for r in results)
+            tokens = {"prompt": prompt, "reasoning": reasoning, "completion": completion}
+        self.state.metrics.record(budget, route, status, latency, ttft, tokens)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as log-probability fields show it."""
+        return self.state.loaded.tokenizer.decode([token_id])
+
+    def _cards(self) -> list[P.ModelCard]:
+        created, fmt = int(self.state.started_at), self.state.loaded.format
+        return [
+            P.ModelCard(
+                id=c.name,
+                created=created,
+                total_params=c.total_params,
+                active_params=c.active_params,
+                active_fraction=c.active_fraction,
+                architecture=c.architecture,
+                format=fmt,
+            )
+            for c in self.state.cards.values()
+        ]
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
 
 
 # ---------------------------------------------------------------------- Ray Serve
 @serve.deployment
 @serve.ingress()
 class StarElasticServer:
-    """One replica: one weight copy, every budget; the FastAPI app is built after loading."""
+    """One replica: one weight copy, every budget. The FastAPI app is built after loading; Serve runs
+    its lifespan, so stopping the replica stops the decode thread (:meth:`ServingApp.close`)."""
 
     def __init__(self, model_uri: str, config: dict[str, Any] | None = None) -> None:
-        self.state = ServingState(model_uri, ServingConfig.model_validate(config or {}))
+        self.api = ServingApp(ServingState(model_uri, ServingConfig.model_validate(config or {})))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_app(self.state)
+        return self.api.fastapi
 
     def check_health(self) -> None:
         """Serve restarts the replica when this raises: only when the decode thread is gone."""
-        if not self.state.engine.alive:
-            raise RuntimeError(self.state.engine.error or "the decode thread is not running")
-
-    def __del__(self) -> None:
-        state = getattr(self, "state", None)
-        if state is not None:
-            state.close()
+        engine = self.api.state.engine
+        if not engine.alive:
+            raise RuntimeError(engine.error or "the decode thread is not running")
 
 
 def build_app(args: Mapping[str, Any]) -> serve.Application:

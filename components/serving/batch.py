@@ -129,7 +129,7 @@ class Group:
                 row.reason = "stop_id"
             elif row.stop_seqs and gen.ends_with_any(row.tokens, row.stop_seqs):
                 row.reason = "stop_sequence"
-            elif row.stop and gen._hit_stop_string(row.tokens, row.stop, self.decode):
+            elif row.stop and gen.hit_stop_string(row.tokens, row.stop, self.decode):
                 row.reason = "stop_string"
             elif len(row.tokens) < row.max_new:
                 keep.append(j)

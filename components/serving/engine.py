@@ -29,7 +29,8 @@ Design choices:
   cap, so it is held back); the answer is sent as it grows, minus a tail as long as the longest stop
   string (a stop string is never sent, as in the OpenAI API).
 * Texts: every returned text is decoded without special tokens and without the reasoning marker
-  strings (:meth:`Engine.text`), so control tokens never reach a client.
+  strings (``Engine.text``: :meth:`~components.serving.prompts.PromptRules.visible_text`), so control
+  tokens never reach a client.
 * Log-probabilities (``Job.logprobs``): every sampled answer token's log-probability under the
   model (log-softmax of its logits, before temperature and top-p) and its top-k alternatives,
   the stop token included; ``Job.echo`` also scores the prompt from the prefill's logits (all
@@ -55,6 +56,7 @@ from components.serving.batch import Group, Row
 from components.serving.config import ServingConfig
 from components.serving.loading import LoadedModel
 from components.serving.logprobs import LogprobEntry
+from components.serving.prompts import PromptRules
 from model import generate as gen  # the primitives of model.generate's batched loop
 from model.phases import kept_thinking, resume_state, resume_target  # think_then_answer's rules, shared on purpose
 
@@ -142,8 +144,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: ServingConfig) -> None:
         self.loaded, self.config = loaded, config
         self.tokenizer, self.tokens = loaded.tokenizer, loaded.tokens
-        markers = loaded.tokenizer.markers
-        self._markers = tuple(m for m in (markers.think_open, markers.think_close) if m)
+        self.text = PromptRules(loaded.tokenizer).visible_text  # what a client is shown of generated ids
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
@@ -350,13 +351,6 @@ class Engine:
             job.answer_start = "re_prefill"
             start = gen.RowStart(seq)
         self._pending.append(self._answer_row(job, start, self._answer_seed(job)))
-
-    def text(self, ids: Sequence[int]) -> str:
-        """What a client is shown of ``ids``: no special tokens, no reasoning marker strings."""
-        text = self.tokenizer.decode(ids, skip_special=True)
-        for marker in self._markers:
-            text = text.replace(marker, "")
-        return text
 
     def _answer_text(self, row: Row) -> str:
         ids = row.tokens[:-1] if row.reason == "stop_id" else row.tokens

@@ -26,7 +26,7 @@ TOKEN_KINDS = ("prompt", "reasoning", "completion")
 
 def _labels(**labels: str) -> str:
     """``{k="v",...}`` with Prometheus text-format escaping of the values."""
-    esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")  # noqa: E731
+    esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in labels.items()) + "}"
 
 

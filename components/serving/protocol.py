@@ -37,7 +37,7 @@ Design choices:
   (:meth:`~components.data.tokenizer.TextTokenizer.prompt_ids`), every message included (system,
   earlier turns, an assistant turn's ``reasoning_content``). No message may contain a special
   token of the tokenizer or a reasoning marker: it would become a control token, so it is refused
-  with a 400 naming the message and the token (:func:`components.serving.state.chat_messages`).
+  with a 400 naming the message and the token (:func:`components.serving.prompts.check_messages`).
 * Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``; a 503 (overload,
   or a model that is not serving) carries ``Retry-After``.
 """
@@ -140,6 +140,14 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template takes it: text content, optional fields only when given."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("reasoning_content", "name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
 
 class StreamOptions(_Strict):

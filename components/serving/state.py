@@ -9,14 +9,8 @@ Design choices:
   run, ``max_queued_requests`` more wait for a slot in arrival order, any further one is refused at
   once with an OpenAI-shaped 503 carrying ``Retry-After``. A request holds its slot until its last
   token is sent (streams included).
-* Prompts. Chat: the messages go through the checkpoint's chat template
-  (``TextTokenizer.prompt_ids``) after :func:`~components.serving.protocol.chat_messages` refused
-  control text in them. A chat request always has a thinking phase unless the template itself
-  closed the thinking (a generation prompt ending with the close marker: a template switched to
-  no-thinking); when the generation prompt does not open it, the open marker's ids are appended,
-  so budget control applies to every reasoning model. Completions: raw text (special-token strings
-  become their tokens) or token ids; a prompt ending with the open marker (trailing whitespace
-  aside) thinks, any other is one plain phase.
+* Prompts follow :mod:`components.serving.prompts` (shared with the registry's pyfunc); a prompt
+  the rules refuse is a 400 naming the field.
 * ``n`` and lists: one :class:`~components.serving.engine.Job` per (prompt, choice), all sharing one
   event queue, indexed ``prompt * n + choice``. Choice 0 uses the request's ``seed`` (so ``n=1``
   and choice 0 of ``n>1`` agree), choice k > 0 the seed ``row_seed(seed, k)``.
@@ -29,7 +23,6 @@ import collections
 import hmac
 import os
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,41 +33,8 @@ from components.serving.config import ServingConfig, resolve_checkpoint
 from components.serving.engine import Engine, EngineStopped, Job
 from components.serving.loading import LoadedModel
 from components.serving.metrics import ServingMetrics
+from components.serving.prompts import PromptError, PromptRules, check_length
 from model.generate import SamplingParams, row_seed
-
-
-def chat_messages(messages: Sequence[P.ChatMessage], forbidden: Callable[[str], list[str]]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them, after refusing control text in any of them.
-
-    ``forbidden(text)`` lists the special tokens and reasoning markers found in ``text``; a message
-    holding one is a 400 naming the message, the field and the tokens. At least one message must
-    come from the user.
-    """
-    if not any(m.role == "user" for m in messages):
-        raise P.OpenAIError(400, "messages: at least one message with role 'user' is required", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        item: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if m.reasoning_content is not None:
-            item["reasoning_content"] = m.reasoning_content
-        if m.name is not None:
-            item["name"] = m.name
-        if m.tool_call_id is not None:
-            item["tool_call_id"] = m.tool_call_id
-        for key in ("content", "reasoning_content", "name"):
-            text = item.get(key)
-            bad = forbidden(text) if isinstance(text, str) else []
-            if bad:
-                param = f"messages.{i}.{key}"
-                raise P.OpenAIError(
-                    400,
-                    f"{param}: must not contain the special tokens or reasoning markers {bad} (they would act "
-                    "as control tokens); remove them from the text",
-                    param=param,
-                    code="special_token",
-                )
-        out.append(item)
-    return out
 
 
 class Admission:
@@ -143,9 +103,7 @@ class ServingState:
         self.admission = Admission(config.max_ongoing_requests, config.max_queued_requests, config.retry_after_s)
         self.pid, self.started_at = os.getpid(), time.time()
         self.cards = self.loaded.cards
-        tok = self.loaded.tokenizer
-        self.markers = tuple(m for m in (tok.markers.think_open, tok.markers.think_close) if m)
-        self._tail = len(tok.think_open_ids) + len(tok.think_close_ids) + 8  # tokens decoded to find a marker
+        self.rules = PromptRules(self.loaded.tokenizer)
 
     def close(self) -> None:
         self.engine.stop()
@@ -189,42 +147,6 @@ class ServingState:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    # ------------------------------------------------------------------ prompts
-    def forbidden(self, text: str) -> list[str]:
-        """Special tokens and reasoning markers found in user text."""
-        found = list(self.loaded.tokenizer.contains_special(text))
-        return found + [m for m in self.markers if m in text and m not in found]
-
-    def thinking(self, ids: list[int]) -> str | None:
-        """``"open"`` when ``ids`` end with the open marker (trailing whitespace aside), ``"closed"``
-        when with the close marker, else None."""
-        tok = self.loaded.tokenizer
-        tail = tok.decode(ids[-self._tail :]).rstrip()
-        if tail.endswith(tok.markers.think_open):
-            return "open"
-        if tail.endswith(tok.markers.think_close):
-            return "closed"
-        return None
-
-    def chat_prompt(self, messages: list[P.ChatMessage]) -> Prompt:
-        tok = self.loaded.tokenizer
-        ids = list(tok.prompt_ids(chat_messages(messages, self.forbidden)))
-        state = self.thinking(ids)
-        if state is None:  # the template does not open the thinking: open it, so budget control applies
-            ids += list(tok.think_open_ids)
-        return Prompt(ids, state != "closed", "")
-
-    def completion_prompt(self, prompt: str | list[int], param: str) -> Prompt:
-        tok = self.loaded.tokenizer
-        if isinstance(prompt, str):
-            ids, text = tok.encode(prompt), prompt
-        else:
-            bad = [i for i in prompt if not 0 <= i < tok.vocab_size]
-            if bad:
-                raise P.OpenAIError(400, f"{param}: token ids {bad[:5]} outside [0, {tok.vocab_size})", param=param)
-            ids, text = list(prompt), tok.decode(prompt)
-        return Prompt(ids, self.thinking(ids) == "open" if ids else False, text)
-
     # ------------------------------------------------------------------ request -> jobs
     def _limit(self, value: int | None, default: int | None, name: str, minimum: int) -> int | None:
         if value is None:
@@ -246,22 +168,25 @@ class ServingState:
         return name
 
     def prompts(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> list[Prompt]:
-        """The request's prompts, checked (non-empty, not too long)."""
-        cfg = self.config
-        if isinstance(req, P.ChatCompletionRequest):
-            prompts, params = [self.chat_prompt(req.messages)], ["messages"]
-        else:
-            raw = req.prompts
-            params = ["prompt"] if len(raw) == 1 else [f"prompt.{i}" for i in range(len(raw))]
-            prompts = [self.completion_prompt(p, param) for p, param in zip(raw, params, strict=True)]
-        for p, param in zip(prompts, params, strict=True):
-            if not p.ids:
-                raise P.OpenAIError(400, f"{param}: empty prompt", param=param)
-            if len(p.ids) > cfg.max_prompt_tokens:
-                raise P.OpenAIError(
-                    400, f"{param}: {len(p.ids)} tokens, more than the limit of {cfg.max_prompt_tokens}", param=param
-                )
+        """The request's prompts, checked (no control text in chat, non-empty, not too long)."""
+        try:
+            if isinstance(req, P.ChatCompletionRequest):
+                ids, thinks = self.rules.chat([m.for_template() for m in req.messages])
+                prompts, params = [Prompt(ids, thinks, "")], ["messages"]
+            else:
+                raw = req.prompts
+                params = ["prompt"] if len(raw) == 1 else [f"prompt.{i}" for i in range(len(raw))]
+                prompts = [self._completion(p, param) for p, param in zip(raw, params, strict=True)]
+            for p, param in zip(prompts, params, strict=True):
+                check_length(p.ids, self.config.max_prompt_tokens, param)
+        except PromptError as err:
+            raise P.OpenAIError(400, err.message, param=err.param, code=err.code) from None
         return prompts
+
+    def _completion(self, prompt: str | list[int], param: str) -> Prompt:
+        ids, thinks = self.rules.completion(prompt, param)
+        echo_text = prompt if isinstance(prompt, str) else self.loaded.tokenizer.decode(prompt)
+        return Prompt(ids, thinks, echo_text)
 
     def make_jobs(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[list[Job], list[Prompt]]:
         """One job per (prompt, choice), sharing one event queue; the prompts too (for ``echo``)."""

@@ -152,9 +152,3 @@ def budget_loss(
         pin=pin.detach(),
         ratios=ratios,
     )
-
-
-def total_loss(kd: Tensor, budget: Tensor | BudgetLossOut, alpha: float = 1.0) -> Tensor:
-    """``KD + alpha * L_budget`` (the method uses alpha = 1). Shape ()."""
-    b = budget.loss if isinstance(budget, BudgetLossOut) else budget
-    return kd + alpha * b.to(kd.dtype)

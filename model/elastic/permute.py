@@ -197,8 +197,3 @@ def apply_rankings(model: nn.Module, rankings: Rankings, axes: Sequence[str] | N
         if "experts" in wanted and lr.experts is not None:
             permute_experts(m, torch.tensor(lr.experts.order))
     return model
-
-
-def permuted_scores(ranking_scores: Sequence[float], order: Sequence[int]) -> list[float]:
-    """The scores in storage order after permutation (``scores[order]``)."""
-    return [ranking_scores[j] for j in order]

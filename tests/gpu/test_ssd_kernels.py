@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
 
-from model.ssd import HAS_MAMBA_KERNELS, ssd_scan, ssd_scan_reference  # noqa: E402
+from model.ssd import HAS_MAMBA_KERNELS, ssd_scan, ssd_scan_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 
+from tests.integration.serving_app import running_app
+
 pytestmark = pytest.mark.integration
 
 APP = "serving-test"
@@ -42,18 +44,8 @@ SPECIAL = ("<pad>", "<bos>", "<eos>", "<unk>", "<think>", "</think>")
 
 @pytest.fixture(scope="module")
 def base_url(serve_http, tiny_nested_checkpoint):
-    from ray import serve
-
-    from components.serving.app import build_app
-
-    serve.run(build_app({"model_uri": str(tiny_nested_checkpoint), "config": CONFIG}), name=APP, route_prefix="/")
-    url = f"http://127.0.0.1:{serve_http}"
-    deadline = time.time() + 60
-    while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
-        assert time.time() < deadline, "the app never became ready"
-        time.sleep(0.5)
-    yield url
-    serve.delete(APP)
+    with running_app(APP, tiny_nested_checkpoint, CONFIG, serve_http) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -550,11 +542,13 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
 
 # ---------------------------------------------------------------------- checkpoint sources and formats (no Ray)
 def _ask_every_budget(state) -> dict[str, dict]:
-    """Serve ``state`` through the FastAPI app in-process and ask every budget once (elastic for the largest)."""
-    from components.serving.app import create_app
+    """Serve ``state`` through the HTTP API in-process and ask every budget once (elastic for the largest)."""
+    from components.serving.app import ServingApp
+
+    api = ServingApp(state)
 
     async def run() -> dict[str, dict]:
-        transport = httpx.ASGITransport(app=create_app(state))
+        transport = httpx.ASGITransport(app=api.fastapi)
         out = {}
         async with httpx.AsyncClient(transport=transport, base_url="http://app", headers=AUTH) as client:
             models = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
@@ -568,7 +562,7 @@ def _ask_every_budget(state) -> dict[str, dict]:
     try:
         return asyncio.run(run())
     finally:
-        state.close()
+        api.close()
 
 
 def test_fp8_checkpoint_serves_every_budget_from_one_quantized_copy(tiny_nested_checkpoint, tmp_path):

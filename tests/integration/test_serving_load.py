@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.integration.serving_app import running_app
+
 pytestmark = pytest.mark.integration
 
 APP = "serving-load-test"
@@ -40,18 +42,8 @@ def body(i: int, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def base_url(serve_http, tiny_nested_checkpoint):
-    from ray import serve
-
-    from components.serving.app import build_app
-
-    serve.run(build_app({"model_uri": str(tiny_nested_checkpoint), "config": CONFIG}), name=APP, route_prefix="/")
-    url = f"http://127.0.0.1:{serve_http}"
-    deadline = time.time() + 60
-    while httpx.get(f"{url}/ready", timeout=10).status_code != 200:
-        assert time.time() < deadline, "the app never became ready"
-        time.sleep(0.5)
-    yield url
-    serve.delete(APP)
+    with running_app(APP, tiny_nested_checkpoint, CONFIG, serve_http) as url:
+        yield url
 
 
 async def _client(url: str, n: int, offset: int, **kw) -> list[httpx.Response]:
@@ -100,7 +92,7 @@ def test_above_capacity_clean_503_then_keeps_serving(base_url):
 
 def test_client_disconnect_stops_decoding_for_it(base_url):
     """A client that goes away mid-stream frees its rows: the engine does not decode for nobody."""
-    stats = lambda: httpx.get(f"{base_url}/stats", timeout=10).json()["engine"]  # noqa: E731
+    stats = lambda: httpx.get(f"{base_url}/stats", timeout=10).json()["engine"]
     with httpx.Client(base_url=base_url, timeout=60) as client:
         long = None  # a greedy request this random model answers at length (no early </think> or <eos>)
         for i in range(len(PROBLEMS)):

@@ -33,10 +33,12 @@ def _serve(state, scenario):
     """Run ``scenario(oai, http)`` against the app over an in-process transport, then stop the engine."""
     import openai
 
-    from components.serving.app import create_app
+    from components.serving.app import ServingApp
+
+    api = ServingApp(state)
 
     async def run():
-        transport = httpx.ASGITransport(app=create_app(state))
+        transport = httpx.ASGITransport(app=api.fastapi)
         async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as http:
             oai = openai.AsyncOpenAI(base_url="http://app/v1", api_key=KEY, http_client=http, max_retries=0)
             return await scenario(oai, http)
@@ -44,7 +46,7 @@ def _serve(state, scenario):
     try:
         return asyncio.run(run())
     finally:
-        state.close()
+        api.close()
 
 
 def _recording(state) -> list[list[int]]:
@@ -207,3 +209,70 @@ def test_overload_is_an_openai_json_503_with_retry_after(uniform_checkpoint):
     assert after.choices[0].finish_reason in ("length", "stop") and raw.status_code == 200
     assert "star_elastic_requests_rejected_total 1" in metrics
     assert 'star_elastic_requests_total{budget="full",route="chat",status="503"} 1' in metrics
+
+
+# ---------------------------------------------------------------------- failures and shutdown
+def test_a_handler_bug_is_a_500_and_the_app_keeps_serving(tiny_nested_checkpoint):
+    """A failure injected into one request (not the client's fault) is an OpenAI-shaped 500, counted in
+    the metrics; the admission slot is given back and the next request is answered."""
+    state = _state(
+        tiny_nested_checkpoint, max_ongoing_requests=1, max_queued_requests=0,
+        autoscaling={"target_ongoing_requests": 1},
+    )  # fmt: skip
+    make_jobs = state.make_jobs
+    failures = iter([RuntimeError("injected")])
+
+    def fail_once(req):
+        err = next(failures, None)
+        if err is not None:
+            raise err
+        return make_jobs(req)
+
+    state.make_jobs = fail_once
+    body = {"model": "small", "messages": [{"role": "user", "content": "Q:1\n"}], "max_tokens": 2, "temperature": 0}
+
+    async def scenario(oai, http):
+        auth = {"Authorization": f"Bearer {KEY}"}
+        broken = await http.post("/v1/chat/completions", json=body, headers=auth)
+        fine = await http.post("/v1/chat/completions", json=body, headers=auth)
+        return broken, fine, (await http.get("/metrics")).text
+
+    broken, fine, metrics = _serve(state, scenario)
+    assert broken.status_code == 500
+    assert broken.json()["error"] == {
+        "message": "internal error: RuntimeError", "type": "server_error", "param": None, "code": None,
+    }  # fmt: skip
+    assert fine.status_code == 200 and fine.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert 'star_elastic_requests_total{budget="small",route="chat",status="500"} 1' in metrics
+    assert state.admission.running == 0
+
+
+def test_the_app_lifespan_stops_the_engine(tiny_nested_checkpoint):
+    """Shutdown is explicit: the ASGI server's lifespan end (uvicorn, or Serve stopping a replica) calls
+    ``ServingApp.close``, after which the probes and requests answer 503."""
+    from components.serving.app import ServingApp
+
+    api = ServingApp(_state(tiny_nested_checkpoint))
+    app = api.fastapi
+    body = {"model": "small", "prompt": "a", "max_tokens": 1}
+
+    async def run():
+        async with app.router.lifespan_context(app):
+            assert api.state.engine.alive
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
+            auth = {"Authorization": f"Bearer {KEY}"}
+            return (
+                await http.get("/health"),
+                await http.get("/ready"),
+                await http.post("/v1/completions", json=body, headers=auth),
+            )
+
+    try:
+        health, ready, refused = asyncio.run(run())
+    finally:
+        api.close()  # a second close is harmless
+    assert not api.state.engine.alive
+    assert (health.status_code, health.json()["status"]) == (503, "unhealthy")
+    assert (ready.status_code, ready.json()["ready"]) == (503, False)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"

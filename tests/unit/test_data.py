@@ -34,7 +34,9 @@ from components.data import (
     render_rows,
     write_jsonl,
 )
-from components.data.gym import gym_available, reasoning_gym_problems
+from components.data.gym import GymReader, gym_available, reasoning_gym_problems
+from components.data.jsonl import iter_jsonl
+from components.data.sources import BoundedCache, GeneratorReader, ReasoningGymSource
 
 # ---------------------------------------------------------------------------------------------
 # An independent checker (does not reuse the generator's arithmetic).
@@ -453,6 +455,75 @@ def test_problem_rows_round_trip_through_jsonl(tmp_path) -> None:
     path.write_text(path.read_text() + "\n[1]\n")
     with pytest.raises(ValueError, match=r"rows\.jsonl:7: expected a JSON object"):
         read_jsonl(path)
+
+
+def test_iter_jsonl_numbers_lines_and_names_the_source(tmp_path) -> None:
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"a": 1}\n\n  \n{"b": [2]}\n{bad\n')
+    lines = iter_jsonl(path, label="s3://bucket/set.jsonl")
+    assert next(lines) == (1, {"a": 1}) and next(lines) == (4, {"b": [2]})  # blank lines skipped, still counted
+    with pytest.raises(ValueError, match=r"^s3://bucket/set\.jsonl:5: invalid JSON \("):
+        next(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers of procedural sources
+
+
+def test_bounded_cache_drops_the_least_recently_used() -> None:
+    made: list[str] = []
+
+    def make(key: str):
+        return lambda: made.append(key) or key.upper()
+
+    cache: BoundedCache[str] = BoundedCache(2)
+    assert [cache.get(k, make(k)) for k in ("a", "b", "a", "c", "a", "b")] == ["A", "B", "A", "C", "A", "B"]
+    # "a" was used again before "c" came, so "b" went first; "b" is made again
+    assert made == ["a", "b", "c", "b"] and len(cache) == 2
+
+
+def test_generator_reader_positions_are_chunk_items() -> None:
+    source = GeneratorSource(min_steps=1, max_steps=3)
+    reader = GeneratorReader(source, "gen")
+    rows = reader.rows([0, 5, 256 + 3], stream=7, rank=1, world=4, exclude=None)
+    assert [r.origin for r in rows] == ["gen:0", "gen:5", "gen:259"]
+    chunk0 = generate_problems(256, source.problem_config(), derive_seed("chunk", 7, 1, 0))
+    chunk1 = generate_problems(256, source.problem_config(), derive_seed("chunk", 7, 1, 1))
+    assert [r.messages for r in rows] == [problem_messages(p) for p in (chunk0[0], chunk0[5], chunk1[3])]
+
+
+class _FakeGym:
+    """Stands in for the optional ``reasoning_gym`` package: dataset entries name their seed and index."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def create_dataset(self, task: str, size: int, seed: int, **config) -> list[dict[str, str]]:
+        self.calls.append((task, size, seed))
+        return [{"question": f" {task} {seed} {i} ", "answer": f" {i * config.get('scale', 1)} "} for i in range(size)]
+
+
+def test_gym_reader_chunks_and_exclude(monkeypatch) -> None:
+    import sys
+
+    gym = _FakeGym()
+    monkeypatch.setitem(sys.modules, "reasoning_gym", gym)
+    reader = GymReader(ReasoningGymSource(task="legs", task_config={"scale": 10}), "g")
+    seed0 = derive_seed("gym", 0, 0, 0) % (2**31)
+    seed1 = derive_seed("gym", 0, 0, 1) % (2**31)
+    rows = reader.rows([0, 1, 512 + 2, 3], stream=0, rank=0, world=1, exclude=None)
+    assert [r.origin for r in rows] == ["g:0", "g:1", "g:514", "g:3"]
+    assert [r.messages[0]["content"] for r in rows] == [f"legs {seed0} 0", f"legs {seed0} 1", f"legs {seed1} 2",
+                                                        f"legs {seed0} 3"]  # fmt: skip
+    assert rows[2].messages[1] == {"role": "assistant", "content": "20"}
+    assert gym.calls == [("legs", 512, seed0), ("legs", 512, seed1)]  # one dataset per chunk, then cached
+    # an excluded question is replaced by the next entry of its chunk (wrapping around)
+    exclude = frozenset({f"legs {seed0} 1", f"legs {seed0} 2", f"legs {seed0} 511"})
+    rows = reader.rows([1, 511], stream=0, rank=0, world=1, exclude=exclude)
+    assert [r.messages[0]["content"] for r in rows] == [f"legs {seed0} 3", f"legs {seed0} 0"]
+    everything = frozenset(f"legs {seed0} {i}" for i in range(512))
+    with pytest.raises(ValueError, match="source 'g': exclude covers a whole chunk of 512 problems"):
+        reader.rows([0], stream=0, rank=0, world=1, exclude=everything)
 
 
 # ---------------------------------------------------------------------------------------------

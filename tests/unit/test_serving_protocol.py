@@ -13,7 +13,8 @@ from components.serving import protocol as P
 from components.serving.config import DEPLOYMENT_NAME, ServingConfig, load_config
 from components.serving.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_logprobs
 from components.serving.metrics import ServingMetrics
-from components.serving.state import Admission, chat_messages
+from components.serving.prompts import PromptError, check_length, check_messages
+from components.serving.state import Admission
 
 
 def chat(**kw) -> bytes:
@@ -122,7 +123,7 @@ def test_chat_logprobs_fields():
 
 
 def test_completion_request_prompt_forms_and_logprobs():
-    parse = lambda **kw: P.parse_request(P.CompletionRequest, completion(**kw))  # noqa: E731
+    parse = lambda **kw: P.parse_request(P.CompletionRequest, completion(**kw))
     assert parse(prompt="abc").prompts == ["abc"]
     assert parse(prompt=["a", "bc"]).prompts == ["a", "bc"]
     assert parse(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
@@ -161,7 +162,7 @@ def _messages(*pairs: tuple[str, object], **fields) -> list[P.ChatMessage]:
     return [P.ChatMessage.model_validate({"role": r, "content": c, **fields}) for r, c in pairs]
 
 
-def _forbidden(text: str) -> list[str]:  # stands in for ServingState.forbidden: two control strings
+def _forbidden(text: str) -> list[str]:  # stands in for PromptRules.forbidden: two control strings
     return [t for t in ("<eos>", "<think>") if t in text]
 
 
@@ -169,7 +170,8 @@ def test_chat_messages_keep_every_turn():
     msgs = _messages(("system", "be brief"), ("user", "1+1"), ("assistant", "A:2"), ("user", "7+5*3-2"))
     msgs[2].reasoning_content = "1+1=2\n"
     parts = [{"type": "text", "text": "4-"}, {"type": "text", "text": "1"}]
-    out = chat_messages([*msgs, *_messages(("user", parts))], _forbidden)
+    out = [m.for_template() for m in [*msgs, *_messages(("user", parts))]]
+    check_messages(out, _forbidden)
     assert out == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "1+1"},
@@ -192,18 +194,31 @@ def test_chat_messages_keep_every_turn():
     ],
 )
 def test_chat_messages_refuse_control_text(msgs, param, fragment):
-    with pytest.raises(P.OpenAIError) as info:
-        chat_messages(_messages(*msgs), _forbidden)
-    assert (info.value.status, info.value.param) == (400, param)
-    assert fragment in info.value.message
+    with pytest.raises(PromptError) as info:
+        check_messages([m.for_template() for m in _messages(*msgs)], _forbidden)
+    assert info.value.param == param
+    assert fragment in str(info.value)
 
 
-def test_chat_messages_refuse_control_text_in_reasoning():
+def test_chat_messages_refuse_control_text_in_reasoning_and_name():
     msgs = _messages(("user", "q"), ("assistant", "a"), ("user", "r"))
     msgs[1].reasoning_content = "x<eos>"
-    with pytest.raises(P.OpenAIError) as info:
-        chat_messages(msgs, _forbidden)
-    assert info.value.param == "messages.1.reasoning_content"
+    with pytest.raises(PromptError) as info:
+        check_messages([m.for_template() for m in msgs], _forbidden)
+    assert (info.value.param, info.value.code) == ("messages.1.reasoning_content", "special_token")
+    named = [{"role": "user", "content": "q", "name": "<think>"}]
+    with pytest.raises(PromptError, match=r"messages\.0\.name: must not contain .*\['<think>'\]"):
+        check_messages(named, _forbidden)
+    check_messages([{"role": "user", "content": "q", "tool_call_id": "<eos>"}], _forbidden)  # not rendered as text
+
+
+def test_prompt_length_limits():
+    check_length([1, 2, 3], 3, "prompt")
+    with pytest.raises(PromptError, match="prompt.1: empty prompt") as info:
+        check_length([], 3, "prompt.1")
+    assert info.value.param == "prompt.1"
+    with pytest.raises(PromptError, match=r"messages: 4 tokens, more than the limit of 3 \(max_prompt_tokens\)"):
+        check_length([1, 2, 3, 4], 3, "messages")
 
 
 # ---------------------------------------------------------------------- log-probabilities
@@ -335,7 +350,7 @@ def test_prometheus_text_parses_with_the_recorded_values():
     text = m.prometheus({"star_elastic_requests_running": ("Requests running.", 2)})
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
-    get = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]  # noqa: E731
+    get = lambda name, **labels: samples[(name, tuple(sorted(labels.items())))]
     assert get("star_elastic_requests_total", budget="full", route="chat", status="200") == 2
     assert get("star_elastic_requests_total", budget="unknown", route="completions", status="400") == 1
     assert get("star_elastic_tokens_total", budget="full", kind="completion") == 11
@@ -377,7 +392,7 @@ def test_deployment_options_send_overload_to_the_replica():
         autoscaling={"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 4},
     )  # fmt: skip
     opts = cfg.deployment_options()
-    assert opts["name"] == DEPLOYMENT_NAME == "StarElasticServer"  # the name components.kuberay overrides
+    assert opts["name"] == DEPLOYMENT_NAME == "StarElasticServer"  # the name a RayService's Serve config uses
     # Serve may send 8 running + 5 waiting + 8 more, which the replica answers with a JSON 503
     assert (opts["max_ongoing_requests"], opts["max_queued_requests"]) == (21, 100)
     assert opts["backpressure_config"] == {"status_code": 503, "retry_after_s": 3}

@@ -1,0 +1,136 @@
+"""How request text becomes prompt ids: the rules the HTTP server and the registry's pyfunc share.
+
+Design choices:
+
+* Control text in a chat message is refused, not escaped: a special token or a reasoning marker in
+  a message's text would act as a control token once rendered, so it is an error naming the message,
+  the field and the tokens (:func:`check_messages`). Completion prompts are raw text on purpose:
+  special-token strings become their tokens.
+* Chat: the messages go through the checkpoint's chat template (``TextTokenizer.prompt_ids``). A
+  chat always has a thinking phase unless the template itself closed it (a generation prompt ending
+  with the close marker: a template switched to no-thinking); when the generation prompt does not
+  open it, the open marker's ids are appended, so budget control applies to every reasoning model.
+* Completion: a prompt ending with the open marker (trailing whitespace aside) thinks; any other is
+  one plain phase.
+* What a client is shown of generated ids (:meth:`PromptRules.visible_text`) never holds special
+  tokens or marker strings.
+* Errors are :class:`PromptError` (a ``ValueError`` carrying the request field at fault), so each
+  caller answers in its own shape: the server a 400, the pyfunc a ``ValueError`` naming the row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from components.data.tokenizer import TextTokenizer
+
+__all__ = ["CHECKED_FIELDS", "PromptError", "PromptRules", "check_length", "check_messages"]
+
+CHECKED_FIELDS = ("content", "reasoning_content", "name")
+"""Message fields the chat template renders as text, so the ones checked for control text."""
+
+
+class PromptError(ValueError):
+    """A prompt the rules refuse; ``param`` names the request field at fault, ``code`` the kind of fault."""
+
+    def __init__(self, message: str, param: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def check_messages(messages: Sequence[Mapping[str, Any]], forbidden: Callable[[str], list[str]]) -> None:
+    """Refuse a chat with no user message, or with control text in a rendered field of any message.
+
+    ``forbidden(text)`` lists the special tokens and reasoning markers found in ``text``.
+
+    Raises:
+        PromptError: ``param`` ``"messages"`` or ``"messages.<i>.<field>"``.
+    """
+    if not any(m.get("role") == "user" for m in messages):
+        raise PromptError("messages: at least one message with role 'user' is required", "messages")
+    for i, m in enumerate(messages):
+        for key in CHECKED_FIELDS:
+            text = m.get(key)
+            bad = forbidden(text) if isinstance(text, str) else []
+            if bad:
+                param = f"messages.{i}.{key}"
+                raise PromptError(
+                    f"{param}: must not contain the special tokens or reasoning markers {bad} (they would act "
+                    "as control tokens); remove them from the text",
+                    param,
+                    "special_token",
+                )
+
+
+def check_length(ids: Sequence[int], limit: int, param: str) -> None:
+    """Refuse an empty prompt or one longer than ``limit`` tokens.
+
+    Raises:
+        PromptError: naming ``param``.
+    """
+    if not ids:
+        raise PromptError(f"{param}: empty prompt", param)
+    if len(ids) > limit:
+        raise PromptError(f"{param}: {len(ids)} tokens, more than the limit of {limit} (max_prompt_tokens)", param)
+
+
+class PromptRules:
+    """The prompt rules over one tokenizer (module docstring): chat and completion ids, visible text."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        markers = tokenizer.markers
+        self.markers = tuple(m for m in (markers.think_open, markers.think_close) if m)
+        # tokens decoded from a prompt's end to find a marker (whitespace after it included)
+        self._tail = len(tokenizer.think_open_ids) + len(tokenizer.think_close_ids) + 8
+
+    def forbidden(self, text: str) -> list[str]:
+        """Special tokens and reasoning markers found in ``text``."""
+        found = list(self.tokenizer.contains_special(text))
+        return found + [m for m in self.markers if m in text and m not in found]
+
+    def thinking(self, ids: Sequence[int]) -> Literal["open", "closed"] | None:
+        """``"open"`` / ``"closed"`` when ``ids`` end with that marker (trailing whitespace aside), else None."""
+        tok = self.tokenizer
+        tail = tok.decode(list(ids[-self._tail :])).rstrip()
+        if tail.endswith(tok.markers.think_open):
+            return "open"
+        return "closed" if tail.endswith(tok.markers.think_close) else None
+
+    def chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], bool]:
+        """``(prompt ids, whether it thinks)`` of chat ``messages`` (dicts as the chat template takes them).
+
+        Raises:
+            PromptError: from :func:`check_messages`.
+        """
+        check_messages(messages, self.forbidden)
+        ids = list(self.tokenizer.prompt_ids([dict(m) for m in messages]))
+        state = self.thinking(ids)
+        if state is None:  # the template does not open the thinking: open it, so budget control applies
+            ids += list(self.tokenizer.think_open_ids)
+        return ids, state != "closed"
+
+    def completion(self, prompt: str | Sequence[int], param: str = "prompt") -> tuple[list[int], bool]:
+        """``(prompt ids, whether it thinks)`` of a raw-text or token-id completion prompt.
+
+        Raises:
+            PromptError: a token id outside the vocabulary (``param`` names the prompt).
+        """
+        tok = self.tokenizer
+        if isinstance(prompt, str):
+            ids = list(tok.encode(prompt))
+        else:
+            bad = [i for i in prompt if not 0 <= i < tok.vocab_size]
+            if bad:
+                raise PromptError(f"{param}: token ids {bad[:5]} outside [0, {tok.vocab_size})", param)
+            ids = list(prompt)
+        return ids, bool(ids) and self.thinking(ids) == "open"
+
+    def visible_text(self, ids: Sequence[int]) -> str:
+        """What a client is shown of ``ids``: no special tokens, no reasoning marker strings."""
+        text = self.tokenizer.decode(ids, skip_special=True)
+        for marker in self.markers:
+            text = text.replace(marker, "")
+        return text
