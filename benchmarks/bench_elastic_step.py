@@ -1,19 +1,9 @@
 """Cost of one elastic distillation step against a plain KD step on the full student (CPU, one process).
 
-Both steps see the same batch, the same frozen teacher and the same student weights, and both end
-with an AdamW step:
-
-* plain KD step: teacher forward (no grad) -> student forward -> ``kd_loss`` -> backward -> AdamW;
-* elastic step: teacher forward -> router sample (Gumbel-softmax per axis) -> ``soft_mask`` ->
-  masked student forward -> ``kd_loss + alpha * budget_loss`` -> backward (into the router too) ->
-  AdamW with two learning rates. This is :func:`components.distill.worker.elastic_loss`, the code
-  the Ray workers run, without Ray and DeepSpeed.
-
-The two steps are timed alternately (plain, elastic, plain, ...) and the reported ratio is the
-median of the per-pair ratios, which keeps a busy machine's drifting load out of the comparison.
-The elastic step cycles through the budgets. Two spaces are measured: every axis elastic (the worst
-case: masks on every layer) and the reported family's axes (hidden, expert FFN width, experts).
-Target: elastic / plain <= 1.3.
+Same batch, frozen teacher and student weights for both; the elastic step is
+:func:`components.distill.worker.elastic_loss` (router sample, soft masks, KD + budget loss) without
+Ray and DeepSpeed. The steps alternate and the ratio is the median of per-pair ratios.
+Target: elastic / plain <= 1.3. Method: docs/benchmarks.md; figures: benchmarks/RESULTS.md.
 
     python benchmarks/bench_elastic_step.py --threads 2 --results benchmarks/RESULTS.md
 """
@@ -33,17 +23,17 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import format_table, machine_info, set_threads  # noqa: E402
-from components.data import ProblemConfig, TextTokenizer, build_demo_tokenizer, make_batch  # noqa: E402
-from components.distill.worker import ElasticStudent, elastic_loss, router_generator  # noqa: E402
-from components.parent import DEMO_PARENT_ARCH  # noqa: E402
-from model.config import HybridConfig  # noqa: E402
-from model.elastic.budgets import BudgetSet  # noqa: E402
-from model.elastic.losses import kd_loss  # noqa: E402
-from model.elastic.params import count_params  # noqa: E402
-from model.elastic.router import BudgetRouter  # noqa: E402
-from model.elastic.space import ElasticSpace  # noqa: E402
-from model.hybrid import HybridLM  # noqa: E402
+from benchmarks.common import format_table, machine_info, set_threads
+from components.data import ProblemConfig, TextTokenizer, build_demo_tokenizer, make_batch
+from components.distill.worker import ElasticStudent, elastic_loss, router_generator
+from components.parent import DEMO_PARENT_ARCH
+from model.config import HybridConfig
+from model.elastic.budgets import BudgetSet
+from model.elastic.losses import kd_loss
+from model.elastic.params import count_params
+from model.elastic.router import BudgetRouter
+from model.elastic.space import ElasticSpace
+from model.hybrid import HybridLM
 
 SECTION = "## Elastic step vs plain KD step"
 

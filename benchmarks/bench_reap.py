@@ -1,26 +1,9 @@
 """Expert pruning by REAP against pruning by routing frequency (and at random), on a trained parent.
 
-For every MoE layer the experts are ranked on calibration data by
-
-* REAP: mean over routed tokens of gate weight x expert-output norm (:mod:`model.elastic.reap`);
-* frequency: how many tokens picked the expert;
-* REAP x frequency (``reap_sum``): the expert's total router-weighted output over all tokens;
-* random: a seeded shuffle (mean and spread over ``--random-seeds`` draws), the floor any ranking
-  must beat.
-
-Each ranking reorders the experts (:func:`model.elastic.permute.permute_experts`), then the experts
-beyond the kept prefix are masked with ``LayerMask(experts=...)`` -- exactly what an elastic budget
-with fewer experts computes. Reported per kept fraction:
-
-* KD loss: forward KL(teacher || student) per token, temperature 1, on held-out packed batches
-  (every non-padding position), the teacher being the unpruned parent;
-* accuracy: greedy decoding with full thinking on the parent's held-out evaluation problems
-  (the same levels and seed as parent training uses, so never trained on), answer extracted and
-  checked with :mod:`components.data.answers`.
-
-Diagnosis (``--diagnose``, on by default): for every MoE layer, the KD loss of dropping each expert
-alone (all other layers whole), and the Spearman rank correlation of each score with that damage.
-A good pruning score ranks experts the way their removal hurts.
+Each ranking reorders the experts, the experts beyond the kept prefix are masked
+(``LayerMask(experts=...)``), and the KD loss against the unpruned parent and the held-out accuracy
+are reported per kept fraction; ``--diagnose`` also correlates each score with the damage of
+dropping each expert alone. Method: docs/benchmarks.md; figures: benchmarks/RESULTS.md.
 
     python benchmarks/bench_reap.py --parent runs/demo-parent/parent --results benchmarks/RESULTS.md
 """
@@ -42,15 +25,15 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import format_table, machine_info, replace_section, save_json, set_threads  # noqa: E402
-from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch  # noqa: E402
-from components.data.tokenizer import TextTokenizer  # noqa: E402
-from components.lm_eval import task_accuracy  # noqa: E402
-from model.elastic.importance import rank_model  # noqa: E402
-from model.elastic.permute import permute_experts  # noqa: E402
-from model.elastic.reap import combine_expert_scores, expert_order, expert_prune_mask  # noqa: E402
-from model.hybrid import HybridLM  # noqa: E402
-from model.masks import LayerMask, ModelMask  # noqa: E402
+from benchmarks.common import format_table, machine_info, replace_section, save_json, set_threads
+from components.data import ProblemConfig, eval_prompts, generate_eval_sets, make_batch
+from components.data.tokenizer import TextTokenizer
+from components.lm_eval import task_accuracy
+from model.elastic.importance import rank_model
+from model.elastic.permute import permute_experts
+from model.elastic.reap import combine_expert_scores, expert_order, expert_prune_mask
+from model.hybrid import HybridLM
+from model.masks import LayerMask, ModelMask
 
 HEADING = "## REAP vs routing-frequency expert pruning"
 METHODS = ("reap", "frequency", "reap_sum")

@@ -1,22 +1,9 @@
 """Serving throughput with and without batching, and the resident memory of one weight copy for all budgets.
 
-Throughput (``--part throughput``): the Serve app on a local Ray over a random-weight nested checkpoint
-of the demo parent's shape (three budgets), HTTP on loopback. ``C`` concurrent clients (1, 4, 16)
-each send ``--requests`` chat requests in a row (greedy; fixed thinking cap and answer length), with
-prompts of one length (``--prompts same``) or of several lengths (``mixed``). Reported: generated
-tokens/s (thinking + answer, as counted in ``usage``), requests/s and median latency, for three
-configurations: ``continuous`` (``batch_max_size`` 16; requests join batches that are already decoding,
-shorter KV histories left-padded), ``static`` (``batch_max_size`` 16, ``merge_running_batches`` off: a
-batch holds only the requests it started with, of one prompt length) and ``no batching``
-(``batch_max_size`` 1: every request decoded alone, interleaved step by step). The configurations run
-side by side (one app and one replica each) and rounds alternate between them, keeping each one's
-best round, so that load from other processes does not favour whichever ran first.
-
-Memory (``--part memory``): in a fresh process per case, the serving state (engine and budget views,
-no Ray) is loaded with every budget, or with the full budget only, one request per served budget is
-answered (so caches and lazily built buffers exist), and the process's resident set size (psutil
-RSS) is read. Done for the demo-sized checkpoint and for a ~120M-parameter one where the weights
-dominate the process. Target: all budgets <= 1.1 x full only.
+``--part throughput``: concurrent HTTP clients against the Serve app on a local Ray, for continuous,
+static and no batching side by side. ``--part memory``: the RSS of a fresh process serving every
+budget against the full budget only. Target: all budgets <= 1.1 x full only.
+Method: docs/benchmarks.md; figures: benchmarks/RESULTS.md.
 
     python benchmarks/bench_serving.py --part all --json runs/bench_serving.json
 """
@@ -38,8 +25,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_budget_decode import DEMO, DEMO_BUDGETS, LARGE, LARGE_BUDGETS  # noqa: E402
-from benchmarks.common import format_table, save_json  # noqa: E402
+from benchmarks.bench_budget_decode import DEMO, DEMO_BUDGETS, LARGE, LARGE_BUDGETS
+from benchmarks.common import format_table, save_json
 
 PROBLEMS = {
     "same": ["1+2*3", "4-1*2", "5*5+1", "9-3+3", "2*2*2", "7+0-4", "3*3-1", "8+1+1"],

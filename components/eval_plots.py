@@ -1,20 +1,11 @@
 """Plots of the evaluate stage, and the curve arithmetic behind the elastic-vs-standard comparison
 (:func:`best_elastic_vs_standard`, :func:`carry_comparison`, on the stage's result rows).
 
-Design choices:
+Figures use matplotlib's object API on the Agg canvas, never ``pyplot`` (safe in a Ray worker or a
+thread). Curve arithmetic works on the Pareto front of one pair's points, linearly interpolated
+between measured caps and never extrapolated (``None`` outside the measured range).
 
-* Figures are built on matplotlib's object API with the Agg canvas (``Figure`` +
-  ``FigureCanvasAgg``), never ``pyplot``: no global figure state, no display needed, safe in a
-  Ray worker or a thread.
-* The main plot is accuracy (y) against mean latency per problem (x), one curve per
-  (think budget, answer budget) pair through its thinking caps (sorted by latency), standard
-  pairs solid and elastic pairs dashed, with the Pareto front of all points in grey. A second
-  panel shows accuracy against the thinking cap (the uncapped point at the right end).
-* Curve arithmetic works on the Pareto front of one pair's points -- the best accuracy reachable
-  within a latency -- linearly interpolated between measured caps. Linear interpolation between
-  two operating points is achievable by serving a matching share of requests at each cap, so it
-  is an honest (if conservative) reading of what lies between two measurements. Nothing is
-  extrapolated: outside the measured range the answer is ``None``.
+Design notes (the plots, why linear interpolation): docs/stages.md ("Evaluation plots and curve arithmetic").
 """
 
 from __future__ import annotations

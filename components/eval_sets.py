@@ -1,22 +1,10 @@
 """Evaluation sets of the evaluate stage: JSONL files (local or ``s3://``) and the built-in held-out levels.
 
-A JSONL evaluation set holds one JSON object per line with
+A JSONL row holds the question (``prompt`` or ``messages``), the reference ``answer`` and optionally
+a group field (one accuracy row per value); field names are configurable (:class:`EvalSetConfig`).
+Every item becomes a chat rendered by the tokenizer's chat template, the built-in levels included.
 
-* the question: ``prompt`` (a string, sent as one user message) or ``messages`` (a chat list of
-  ``{"role", "content"}``; trailing assistant turns are dropped, they would be the answer). When a
-  row has both, ``messages`` wins. Field names are configurable (:class:`EvalSetConfig`).
-* the reference answer: ``answer`` (a string or a number; configurable name).
-* optionally a group field (``level``, ``category``, ...): the accuracy table then has one row per
-  value, so a set can be read by difficulty the way the demo reads its step levels.
-
-Every item becomes a chat (a list of messages) that :func:`thinking_prompt` renders with the
-tokenizer's chat template, so the model sees prompts in the format it was trained on. The built-in
-generator's held-out levels become items the same way (``Q:...\\n`` as the user message), so the demo
-is one instance of the general path: its rendered prompt is ``<bos>Q:...\\n<think>``.
-
-Row labels of the accuracy table: built-in levels ``"1"``, ``"2"``, ...; a JSONL set by its name
-(default: the file stem), or ``"name/value"`` per group value; with a single source the ``name/``
-is dropped, so a set grouped by ``level`` reads ``"1"``, ``"2"``, ... like the demo.
+Design notes (row labels): docs/data.md ("Evaluation sets").
 """
 
 from __future__ import annotations

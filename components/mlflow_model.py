@@ -1,34 +1,12 @@
 """The nested checkpoint as an MLflow model: a pyfunc that answers chat and completion requests on any budget.
 
-What the registry holds for one checkpoint (one format of one pipeline execution) is a regular MLflow
-model, so ``mlflow.pyfunc.load_model("models:/NAME@champion")``, ``mlflow.models.get_model_info``,
-``mlflow models serve`` and every tool that expects a model flavor can use it::
+The registered model is a regular MLflow model (``MLmodel``, the checkpoint under ``artifacts/``,
+the project code under ``code/``, built from ``mlflow_model_code.py``: no pickle). ``predict`` is
+thin: the serving loader, the server's prompt rules and the generation functions evaluation uses. Requests are
+typed by :class:`GenerationRequest` (MLflow's signature); ``temperature`` defaults to 0 so
+predictions are reproducible.
 
-    MLmodel                      python_function flavor, signature, input example, pip requirements
-    artifacts/<checkpoint>/      the nested safetensors checkpoint with its tokenizer files, unchanged
-    code/components, code/model  the project code the model runs (so a fresh environment can load it)
-    mlflow_model_code.py         builds a :class:`StarElasticModel` (MLflow's models-from-code: no pickle)
-
-Design choices:
-
-* ``predict`` is thin: the weights load through the serving loader (:class:`LoadedModel`: one weight
-  copy, every budget a view of it); prompts follow the server's rules
-  (:class:`~components.serving.prompts.PromptRules`: the chat template, control text refused);
-  generation is :func:`model.phases.budget_control` for prompts that think and
-  :func:`model.generate.decode_rows` for plain completions, what evaluation and the engine build on.
-* Input: a list of requests (dicts, or a DataFrame with a row each), typed by :class:`GenerationRequest`,
-  whose type hint on ``predict`` is where MLflow takes the signature from and what it validates every
-  request against (unknown fields and out-of-range values are refused, naming the field). Output: one
-  :class:`GenerationResult` per request, in order. Requests that share their settings decode as one batch.
-* Unlike the HTTP API (OpenAI's default temperature 1), ``temperature`` defaults to 0: a registry
-  model's predictions are reproducible unless sampling is asked for.
-* Returned text never contains special tokens or reasoning markers.
-* The ``model_config`` of the logged model holds :class:`~components.serving.config.ServingConfig`
-  fields (device, dtype, limits, ``think_limit``, ...); override them when loading:
-  ``mlflow.pyfunc.load_model(uri, model_config={"device": "cuda"})``.
-* A DataFrame whose integer column misses a value holds floats there, which MLflow's strict
-  validation refuses (a limitation of MLflow's DataFrame handling); give every row the same fields,
-  or pass a list of dicts.
+Design notes (layout, ``model_config``, DataFrame inputs): docs/serving.md ("The registry model (MLflow pyfunc)").
 """
 
 from __future__ import annotations

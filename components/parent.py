@@ -1,18 +1,11 @@
 """Train a small parent from scratch: the demo's, or one on any tokenizer and data mixture.
 
-The parent has every nemotron_h layer kind (Mamba2, attention, MoE, dense MLP) and is sized to
-train on 2 CPU cores in minutes. The demo parent learns the built-in reasoning task well enough
-that thinking clearly beats answering directly and accuracy falls as chains get longer, so budgets
-and thinking caps make measurable differences downstream.
+The parent has every nemotron_h layer kind (Mamba2, attention, MoE, dense MLP) and trains on 2 CPU
+cores in minutes. One path for every parent: an ``AutoTokenizer``, rows from the ``data`` mixture
+through the chat template, accuracy on an evaluation set; ``writer: transformers`` saves with
+``NemotronHForCausalLM.save_pretrained``.
 
-Design choices:
-
-* One path for every parent: the tokenizer is loaded with transformers' ``AutoTokenizer`` (the
-  demo's character tokenizer is built as a ``tokenizer.json`` when ``tokenizer`` is null), rows
-  come from the ``data`` mixture rendered through the tokenizer's chat template, and accuracy is
-  measured on an evaluation set (a JSONL file, or the generator's held-out levels).
-* ``writer: transformers`` writes the checkpoint with ``NemotronHForCausalLM.save_pretrained``, so
-  the pipeline downstream reads it exactly like a checkpoint a team brings.
+Design notes: docs/stages.md ("The parent").
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """The rank stage: calibrate the parent, rank every elastic axis, and write the permuted parent.
 
-Flow: load the parent (and its tokenizer) -> build calibration batches from the demo reasoning
-data -> run calibration as Ray tasks, each over its share of the batches -> sum the accumulators
-on the driver -> (optionally) greedy depth ranking on the driver -> permute -> check the permuted
-model against the parent on one batch -> save checkpoint, ``rankings.json`` and a plot -> log.
+Flow: load the parent -> calibration batches -> calibration as Ray tasks, each over its share of the
+batches -> sum the additive accumulators on the driver -> (optionally) greedy depth ranking on the
+driver -> permute -> check against the parent on one batch -> save the checkpoint, ``rankings.json``
+and a plot -> log. Only batch indices travel to a task (batches are rebuilt from ``(seed, index)``);
+the result does not depend on how the work was split.
 
-Design choices:
-
-* Calibration statistics are additive (:class:`~model.elastic.importance.ImportanceAccumulator`),
-  so batches are dealt round-robin to ``num_tasks`` Ray tasks and the returned state dicts are
-  summed; the result does not depend on how the work was split (up to float64 rounding).
-* Batches are rebuilt inside each task from ``(seed, index)`` (the data generator is
-  deterministic), so only a list of indices travels to a task, never tensors.
-* Each task loads the parent itself from ``parent_uri``: a local folder on one machine, or a
-  shared / ``s3://`` location on a cluster (through :func:`components.storage.materialize`).
-* Depth ranking is not additive (each greedy step needs the previous global decision) and runs on
-  the driver over at most ``depth_batches`` batches.
-* Calibration rows are packed (several problems per row, no padding) by default, so padding never
-  dilutes the per-sequence means of the aggregation rule. Prompts of the held-out evaluation sets
-  are excluded, as in parent training.
-* The permuted checkpoint carries the tokenizer and ``rankings.json``. Orders in the rankings
-  refer to the ORIGINAL parent's indices; in the permuted checkpoint every order is the identity
-  (depth indices are unchanged: layers are never moved).
-* Ray is initialised only if nobody did it before (small ``num_cpus``, no dashboard) and shut
-  down again at the end only in that case.
+Design notes: docs/stages.md ("The rank stage").
 """
 
 from __future__ import annotations

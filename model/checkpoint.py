@@ -1,24 +1,12 @@
 """Checkpoint I/O in the Hugging Face ``nemotron_h`` layout: safetensors + config.json.
 
-Loading reads what transformers' ``save_pretrained`` and the model's publisher write:
-both key prefixes (``backbone.`` from the original release and transformers' own
-writer, ``model.``), both expert layouts (one tensor per expert,
-``mixer.experts.{j}.up_proj.weight``, or stacked 3-D ``mixer.experts.up_proj``),
-single-file or sharded (``model.safetensors.index.json``), any floating dtype (kept
-as stored unless a ``dtype`` is asked; the router's ``e_score_correction_bias`` is
-always float32, as transformers keeps it), tied embeddings (``tie_word_embeddings``
-with no ``lm_head.weight`` in the files: ``lm_head`` starts as a copy of the
-embedding), and multi-token-prediction tensors (``mtp.*``, skipped like transformers
-does). Every tensor is checked against the config: missing, unexpected and
-mis-shaped tensors are all reported by name, and no model is returned half-loaded.
-Only safetensors are read: nothing is ever unpickled. Tensors are read one at a time
-(:func:`iter_views` / :func:`iter_tensors`) and each is copied once, per-expert tensors
-straight into their stacked tensor, so loading holds one copy of the weights, not two.
+Loading reads what transformers and the model's publisher write (``backbone.`` or ``model.`` keys,
+per-expert or stacked experts, sharded or not, tied embeddings, ``mtp.*`` skipped), checks every
+tensor against the config (all problems by name, never half-loaded), reads only safetensors and
+copies each tensor once. Saving (:func:`write_checkpoint`) publishes the folder atomically with a
+``manifest.json`` of SHA-256 sums, verified on load when present.
 
-Saving (:func:`write_checkpoint`) publishes the folder atomically (:mod:`model.atomic`), so a
-crash never leaves a half-written checkpoint; ``manifest.json`` records the SHA-256 of every
-file and is verified on load when present (a folder written by transformers has none and
-loads unchecked).
+The accepted layouts in full: docs/checkpoints.md ("Checkpoint I/O").
 """
 
 from __future__ import annotations
@@ -198,7 +186,7 @@ def iter_views(folder: str | Path) -> Iterator[tuple[str, Tensor]]:
     seen: dict[str, str] = {}
     for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as fh:
-            keys = list(fh.keys())  # noqa: SIM118 - safe_open is not iterable
+            keys = list(fh.keys())  # a safe_open handle is not iterable
         i = 0
         while i < len(keys):
             with safe_open(str(path), framework="pt") as fh:
@@ -222,7 +210,7 @@ def iter_tensors(folder: str | Path, dtype: torch.dtype | None = None) -> Iterat
     caller's own copy, in its stored dtype or, for floating tensors, in ``dtype`` (converted straight
     out of the file: one copy). Copies, not views: a tensor left in the file mapping keeps the whole
     mapping alive, and every page a relayout or a forward pass has read then stays resident beside
-    the copies (a replica serving a 610 MB model measured 1.3 GB). A consumer that places each
+    the copies. A consumer that places each
     tensor and drops it holds about one tensor, plus at most :data:`REOPEN_BYTES` of mapped file.
     """
     for key, view in iter_views(folder):

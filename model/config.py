@@ -1,28 +1,11 @@
 """Model configuration: the Hugging Face ``nemotron_h`` ``config.json``, validated.
 
-One pydantic model, :class:`HybridConfig`, holds every field that changes what the
-network computes. ``from_hf_dict`` / ``to_hf_dict`` translate to and from the
-``config.json`` that transformers' ``NemotronHForCausalLM`` reads and writes:
+One pydantic model, :class:`HybridConfig`, holds every field that changes what the network computes.
+``from_hf_dict`` / ``to_hf_dict`` translate to and from the ``config.json`` transformers'
+``NemotronHForCausalLM`` reads and writes: both layer-layout spellings, every spelling of infinity,
+legacy field names, bookkeeping keys kept verbatim; any other key is an error that names it.
 
-* the layer layout is accepted as the ``hybrid_override_pattern`` string
-  (``M`` Mamba2, ``*`` attention, ``E`` MoE, ``-`` dense MLP) or as the
-  ``layers_block_type`` list (alias ``layer_types``; current names
-  ``linear_attention`` / ``full_attention`` / ``moe`` / ``mlp`` or the legacy
-  ``mamba`` / ``attention``);
-* infinities are accepted in every spelling a writer uses: the JSON extension
-  ``Infinity`` (Python's ``json``), transformers 5's tagged object
-  ``{"__float__": "Infinity"}``, or a huge float (>= 1e30, what :meth:`to_hf_dict`
-  writes so that strict JSON readers can parse the file);
-* legacy field names (``mamba_n_groups``, ``mamba_d_conv``, ``attention_head_dim``,
-  ...) are renamed;
-* bookkeeping keys that do not change the computation (``architectures``,
-  ``torch_dtype``, ``use_cache``, publishers' unused ``rope_theta`` / ``norm_eps``,
-  ...) are kept verbatim and written back;
-* ``tie_word_embeddings`` is read by the checkpoint loader (which copies the
-  embedding into ``lm_head`` when the files hold no ``lm_head.weight``) and is not
-  kept: the model always owns a separate ``lm_head``, so it is written back false;
-* any other key is an error that names it, so a typo never silently falls back
-  to a default.
+What is accepted, in full: docs/checkpoints.md ("The model config").
 """
 
 from __future__ import annotations

@@ -384,7 +384,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(p, [f"{p}: no such config file"])
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader subclass: safe
     except yaml.YAMLError as err:
         raise ConfigError(p, [_yaml_error(str(p), err)]) from None
     if data is None:

@@ -1,23 +1,11 @@
 """Assets of the chat example: what a team brings, built here from nothing in one command.
 
-``star-elastic example chat --out DIR`` writes, deterministically by ``--seed``:
+``star-elastic example chat --out DIR`` writes, deterministically by ``--seed``: ``tokenizer/`` (a
+byte-level BPE tokenizer with a ChatML-style template), ``train.jsonl`` (chat rows with reasoning),
+``text.jsonl`` (plain-text rows), ``eval.jsonl`` (held-out problems answered as ``\\boxed{...}``).
+The task is the built-in chained modular arithmetic, worded as a question.
 
-* ``DIR/tokenizer/``: a byte-level BPE tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with a
-  ChatML-style chat template that carries reasoning as ``<think>...</think>``, ``generation_config.json``),
-  trained with the ``tokenizers`` library on the example's own text;
-* ``DIR/train.jsonl``: chat rows (``messages``) with reasoning traces, some in a ``reasoning_content``
-  field, some inline in ``content``, some with a system message, some with two turns;
-* ``DIR/text.jsonl``: plain-text rows (``text``), pre-training style: worked explanations in prose and
-  paragraphs of the Python standard library's documentation (a real English corpus that ships with
-  Python, so nothing is downloaded);
-* ``DIR/eval.jsonl``: held-out problems (``prompt``, ``answer``, ``level``) answered as ``\\boxed{...}``.
-
-The task is the built-in chained modular arithmetic, worded as a question, so a parent of a few
-hundred thousand parameters learns it on a CPU in minutes; the parent itself is trained by
-``star-elastic parent train`` on these files through the pipeline's ``tokenizer`` and ``data``
-sections and written by transformers' ``save_pretrained`` (see ``pipelines/configs/chat-example.yaml``).
-Numbers and operators are separated by spaces so that the byte-level pre-tokenizer keeps each of
-them one token; the BPE merges are spent on the prose.
+Design notes (the files, tokenization): docs/stages.md ("The chat example's assets").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Run one stage of the pipeline by itself: what a Kubeflow step (or the RayJob it submits) executes.
 
-Design choices:
+:func:`run_stage_only` is the :class:`~pipelines.runner.PipelineRunner` of ``star-elastic run``
+restricted to one stage, so its input-keyed marker decides whether it runs. With a storage root a
+stage pulls its upstream folders first and publishes its own when done, marker last. Nothing heavy
+is imported at module level.
 
-- A stage is never re-implemented here. :func:`run_stage_only` is the same
-  :class:`~pipelines.runner.PipelineRunner` as ``star-elastic run`` restricted to one stage, so the
-  stage's input-keyed marker decides whether it runs or is already done.
-- A RayJob's cluster is gone when the job ends, so with a storage root (``storage_uri``, ``s3://``
-  on a cluster) a stage first pulls the finished folders of every stage upstream of it into the
-  deterministic local run folder, and publishes its own folder when done, marker last. The run folder
-  has the same absolute path in every job (``--workdir``), so the recorded keys match across jobs.
-- A step passes the URIs of its direct upstream stages; they are checked against the stage list, so
-  a compiled pipeline older than the stage list fails loudly instead of running a different DAG.
-- Every stage of one Kubeflow run logs under one MLflow parent run, found by a tag holding the run's id.
-- ``star-elastic kfp run-stage STAGE ...`` (:func:`run_stage_only`) is the entrypoint of a stage's RayJob.
-- The pipeline's MLflow parent run carries the same source tags as one of ``star-elastic run``
-  (:func:`pipelines.run.pipeline_tags`: commit, config hash, run folder).
-- Nothing heavy is imported at module level (torch comes with the config, when it is loaded).
+Design notes: docs/kubernetes.md ("One stage per step").
 """
 
 from __future__ import annotations

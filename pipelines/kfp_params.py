@@ -1,26 +1,12 @@
 """Kubeflow pipeline parameters derived from :class:`~pipelines.config.PipelineConfig`: one per top-level YAML key.
 
-Design choices:
+Nothing is listed by hand: the parameters are the config class's fields, in order, under their YAML
+names and descriptions. ``str`` / ``int`` / ``float`` / ``bool`` fields are typed parameters, a
+``str | None`` field a string ('' for null), anything else a one-line JSON string. A run's values
+become the YAML mapping again (:func:`config_from_parameters`), validated like ``star-elastic run``;
+the step's ``def`` is generated from the same list (:func:`step_function`).
 
-* Nothing is listed by hand: the parameters are the config class's fields, in order, under their
-  YAML names, each described by its field's description. A field added to the config is a parameter
-  of the next compiled pipeline; a field added to a stage's config class is a key of its section's
-  parameter, validated by that class.
-* Kubeflow parameters are typed scalars and are never null. A ``str``, ``int``, ``float`` or
-  ``bool`` field is a parameter of that type; a ``str | None`` field is a string where the empty
-  string stands for null; any other field (a section, a list, an optional section) is a string
-  holding its value as one line of JSON. Not kfp's struct type: it cannot hold null, which sections
-  use (``think_caps: [null, 64]``), and kfp copies defaults into the compiled file's comment header,
-  where only a one-line value stays a comment.
-* A section's default holds the keys the compiled YAML set, nothing more: a key left out keeps
-  meaning "the stage's default", which matters where a stage inherits a top-level value (``data``,
-  ``markers``). A section the YAML leaves out defaults to its class's default (``{}`` or ``null``).
-* A run's values are turned back into the YAML mapping (:func:`config_from_parameters`) and
-  validated by the same code as ``star-elastic run``, so a bad value fails at its YAML path.
-* The step component needs one input per parameter too. kfp embeds a lightweight component's
-  source in the compiled file and calls it with the inputs its signature names, so the step's
-  ``def`` is generated from the same list (:func:`step_function`) and registered in ``linecache``
-  for ``inspect.getsource``, as ``dataclasses`` and ``attrs`` do for the methods they generate.
+Design notes: docs/kubernetes.md ("Pipeline parameters").
 """
 
 from __future__ import annotations

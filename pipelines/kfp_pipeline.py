@@ -1,25 +1,12 @@
 """The pipeline's DAG compiled for Kubeflow Pipelines v2: one step per stage, each submitting a RayJob.
 
-Design choices:
+A step creates a KubeRay RayJob (:func:`pipelines.kuberay.manifests.ray_job_manifest`) whose
+entrypoint is ``star-elastic kfp run-stage`` and polls it (``executor="local"`` runs the stage in
+the step). One lightweight component serves every stage, copied under each stage's name; steps pass
+stage folder URIs, so every DAG edge is a data dependency. The DAG is ``pipeline_stages()``; the
+config travels as parameters derived from ``PipelineConfig``; Kubeflow's cache is off.
 
-- By default (``executor="rayjob"``) a step creates a KubeRay RayJob built from the cluster config by
-  :func:`pipelines.kuberay.manifests.ray_job_manifest`, whose entrypoint is ``star-elastic kfp
-  run-stage`` (:func:`pipelines.kfp_components.run_stage_only`), and polls it until it succeeds or
-  fails. ``executor="local"`` runs that function in the step itself.
-- One lightweight Python component serves every stage; it is copied under each stage's name so that
-  the tasks are called ``parent``, ``rank``, ... in the UI and in the YAML. Its base image is the
-  project's image from the :class:`~pipelines.kuberay.config.ClusterConfig`, which already holds
-  kfp, so ``install_kfp_package=False``: pods need no access to a package index.
-- A step returns the URI of its stage's folder and takes its upstream stages' URIs as inputs
-  (``upstream_1`` ...), so every edge of the DAG is a real data dependency, bound output to input.
-- The DAG is the stage list (``pipeline_stages()``), the same one ``star-elastic run`` runs.
-- The config travels as pipeline parameters derived from :class:`~pipelines.config.PipelineConfig`,
-  one per top-level YAML key (:mod:`pipelines.kfp_params`), with the compiled config's values as
-  defaults; beside them the cluster config as JSON, the executor (``rayjob`` on a cluster, ``local``
-  to run the stage inside the step), the stage module and the per-stage timeout. So one compiled
-  file is reusable: edit a run's parameters, not the file.
-- Kubeflow's own cache is off: the runner's input-keyed markers decide whether a stage is done, and
-  Kubeflow cannot see whether a stage's outputs still exist in storage.
+Design notes: docs/kubernetes.md ("The Kubeflow pipeline").
 """
 
 # No ``from __future__ import annotations``: kfp reads the pipeline's parameter types from live

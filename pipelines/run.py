@@ -22,8 +22,8 @@ def _init_ray(cfg: PipelineConfig) -> None:
             ray.init(address=address)
         else:
             # The dashboard serves Ray's State API, which Ray Train's placement-group cleaner polls: without
-            # it every poll logs a warning (~180 lines per demo run). It also shows the run's tasks and
-            # actors at http://127.0.0.1:8265. About 2 s more start-up.
+            # it every poll logs a warning. It also shows the run's tasks and actors at http://127.0.0.1:8265, for
+            # a little more start-up time.
             ray.init(
                 num_cpus=max(2, os.cpu_count() or 2),
                 include_dashboard=True,

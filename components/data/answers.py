@@ -1,34 +1,11 @@
 """Reading a model's answer from generated text, and checking it against a reference; never raises.
 
-How to read an answer is configurable (:class:`AnswerFormat`), because every evaluation set writes
-its final answer its own way:
+How to read an answer is configurable (:class:`AnswerFormat`: ``prefix``, ``boxed``, ``hash``,
+``regex``, ``last_number``), because every evaluation set writes its final answer its own way. Only
+the text after the first close marker is read, cut at the first stop token; answers are compared as
+exact fractions when both sides parse as numbers (:func:`is_correct`).
 
-=============  ==============================================================================
-``kind``       the answer is ...
-=============  ==============================================================================
-``prefix``     what follows the FIRST ``prefix`` (default ``A:``; spaces before a trailing colon
-               tolerated, ``A : 4``; a prefix starting with a letter must not be glued to a
-               preceding letter, so ``DATA:`` is not ``A:``), up to the end of its line. The demo.
-``boxed``      the content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced.
-``hash``       the rest of the line after the LAST ``####`` (GSM8K style).
-``regex``      group 1 of the FIRST match of ``pattern`` (exactly one capturing group).
-``last_number`` the last number (integer, decimal, ``1,234``, ``3/4``).
-=============  ==============================================================================
-
-Rules applied before the kind (see :class:`AnswerReader`):
-
-1. :meth:`AnswerReader.extract` looks only after the first close marker (``</think>``) if there is
-   one (the trace may hold numbers and even ``A:``-like text), otherwise at the whole text.
-   :meth:`AnswerReader.read` takes text that already starts after the marker (an answer phase).
-2. That tail is cut at the first stop token (``<eos>`` / ``<pad>`` / ``<bos>``, or with a tokenizer
-   every special token but the markers and ``<unk>``), so junk generated after the answer is ignored.
-3. A span read by ``prefix`` or ``hash`` also ends at a marker or ``<unk>``.
-4. When the kind finds nothing and ``fallback_last_number`` is set (the default), the last number of
-   the tail is the answer; ``None`` when there is none.
-
-Comparison (:func:`is_correct`): both sides normalised (:func:`normalize_answer`); when both parse
-as numbers (:func:`parse_number`) they are compared as exact fractions, so ``04``, ``+4``, ``4.0``,
-``8/2`` and ``4`` all match; otherwise the normalised texts must be equal (case-sensitive).
+The kinds and rules 1-4 in full: docs/data.md ("Reading answers").
 """
 
 from __future__ import annotations
@@ -64,7 +41,7 @@ _WRAPPERS_RE = re.compile(r"^\\(?:text|textbf|mathrm|mathbf|boxed)\{(.*)\}$", re
 
 
 class AnswerFormat(BaseModel):
-    """How to read the model's final answer from its output (module docstring)."""
+    """How to read the model's final answer from its output (kinds: docs/data.md, "Reading answers")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -158,7 +135,7 @@ class AnswerReader:
             return None
 
     def extract(self, text: str) -> str | None:
-        """The answer in a whole generation (thinking included): rules 1-4 of the module docstring."""
+        """The answer in a whole generation (thinking included): rules 1-4 of docs/data.md ("Reading answers")."""
         if not isinstance(text, str):
             return None
         _, close, after = text.partition(self.think_close)

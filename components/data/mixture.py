@@ -1,26 +1,11 @@
 """The training stream of a ``data`` section: which rows step ``s`` of rank ``r`` trains on.
 
 Everything is a pure function of ``(data, seed, phase, step, rank, world)``; nothing is carried from
-one step to the next, so a run resumed at step ``s`` sees exactly what it would have seen.
+one step to the next, so a run resumed at step ``s`` sees exactly what it would have seen. Per rank
+the mixture is a sequence of slots in blocks of :data:`~components.data.sources.MIX_BLOCK` holding
+each source's exact share; step ``s`` owns a fixed window of slots (packed first-fit when packing).
 
-1. Per rank, the mixture is an infinite sequence of example slots. Slots come in blocks of
-   :data:`~components.data.sources.MIX_BLOCK` (1000): block ``b`` holds exactly ``q_i`` slots of source
-   ``i`` (the weights apportioned by largest remainder), in an order shuffled by a seed derived from
-   ``b``. So 0.7 / 0.3 means exactly 700 and 300 examples per 1000, and the number of slots of source
-   ``i`` before slot ``t`` (its position in that source's stream) is known without replaying anything.
-   With ``mix_by: tokens`` the shares are first divided by each source's mean example length
-   (measured on the first examples of its stream), so the shares hold for tokens instead.
-2. Step ``s`` owns the window of slots ``[s * E, (s + 1) * E)``: ``E = batch_size`` without packing
-   (one example per row); with packing ``E = ceil(batch_size * seq_len / mean length)`` (mean over the
-   mixture, measured once), examples go first-fit into the rows and the ones that do not fit are
-   skipped (``TrainBatch.n_skipped``), so the next step does not depend on how this one packed.
-3. Each source maps its position to a row (:mod:`components.data.sources`): files by epochs of
-   permutations of this rank's shard (rows ``index % world == rank``; streaming files:
-   :mod:`components.data.streaming`), the generators by seeded chunks. Every seed derives from
-   ``(data.seed, seed, phase, world)`` and the source name, plus the rank where each rank's stream
-   must differ (the slot order, the generators).
-
-``exclude`` (e.g. the evaluation prompts) removes rows whose user turn is one of those strings.
+Design notes (blocks, windows, seeds, ``mix_by: tokens``): docs/data.md ("The training stream").
 """
 
 from __future__ import annotations
@@ -175,7 +160,7 @@ def make_data_batch(
     """Rank ``rank``'s share of the global batch of step ``step``: ``batch_size`` rows of ``seq_len``.
 
     The global batch of a step is ``batch_size * world`` rows; each rank reads its own shard of
-    every files source, and its own generator streams. See the module docstring for the stream.
+    every files source, and its own generator streams. The stream: docs/data.md ("The training stream").
 
     Args:
         data: the mixture.

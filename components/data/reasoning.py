@@ -1,26 +1,12 @@
 """Built-in verifiable reasoning task: chained modular arithmetic with reasoning traces.
 
-A problem starts from a value and applies a chain of ``op operand`` steps strictly LEFT TO RIGHT,
-reducing modulo ``modulus`` after every step (no operator precedence)::
+A problem applies a chain of ``op operand`` steps strictly left to right, modulo ``modulus`` after
+every step (prompt ``Q:7+5*3-2``, one trace line per step, answer ``4``), so every trace line and
+every answer is checkable (:func:`evaluate_chain`, :func:`check_trace`). Held-out sets
+(:func:`generate_eval_sets`) come from seed streams apart from the training stream; pass their
+prompts as ``exclude=`` to make training and evaluation strictly disjoint.
 
-    prompt:     Q:7+5*3-2\\n
-    reasoning:  7+5=2\\n2*3=6\\n6-2=4\\n        (one step per line)
-           or:  7+5*3=6\\n6-2=4\\n            (a folded line: two or three steps, final result only)
-    answer:     4
-
-As training data a problem is a chat row (:func:`components.data.sources.problem_messages`): the
-user turn is the prompt, the assistant turn carries the trace as ``reasoning_content`` and
-``"A:" + answer`` as content. The tokenizer's chat template lays it out; the demo template gives
-``<bos>`` + prompt + ``<think>`` + reasoning + ``</think>`` + ``A:`` + answer + ``<eos>``.
-
-Because the answer can be recomputed from the prompt, every trace line and every generated answer
-is checkable (:func:`evaluate_chain`, :func:`check_trace`).
-
-Held-out evaluation: :func:`generate_eval_sets` draws from seed streams derived from
-``seed + EVAL_SEED_OFFSET`` and the step level, never from the training stream ``random.Random(seed)``.
-Small step levels have tiny problem spaces (1 step at modulus 10: 300 prompts), so different streams
-still collide by chance; pass the eval prompts as ``exclude=`` to :func:`generate_problems` (or to the
-batch builders) to make training and evaluation strictly disjoint.
+Design notes (trace format, chat layout): docs/data.md ("The built-in reasoning task").
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """Rows of every layout -> token ids and a per-token target flag, through the tokenizer's chat template.
 
-Row layouts (see :mod:`components.data.sources` for reading them):
+Chat rows (and prompt/response rows, as a two-turn chat) are rendered by the chat template; the
+targets are every assistant turn (reasoning, answer and the turn's closing tokens). Text rows are
+``[bos] + encode(text) + [eos]`` with every token but the first a target. Assistant spans are found
+by incremental prefix rendering, which needs a prefix-stable template (:class:`TemplateError` otherwise).
 
-* chat: ``messages``, a list of ``{role, content}``; an assistant turn carries its reasoning either in a
-  ``reasoning_content`` field (also read as ``reasoning`` or ``thinking``) or inside
-  ``think_open ... think_close`` at the start of ``content`` (split out here, so the template places it
-  as it would ``reasoning_content``). When the generation prompt opens the reasoning (ends with
-  ``think_open``, as the demo's does), an assistant turn without reasoning gets an empty one: after
-  that prompt a direct answer starts by closing the reasoning;
-* prompt/response rows become a two-turn chat (user = prompt, assistant = response) before rendering;
-* text: pre-training style; ids are ``[bos] + encode(text) + [eos]`` (``bos`` only when the tokenizer has
-  one; ``eos`` always, so packed documents are separated). As everywhere, special-token strings inside
-  the text (``"<|im_end|>"``) are encoded as those special tokens.
-
-Targets (the tokens the loss is computed on):
-
-* chat: every assistant turn, from the end of the generation prompt to the end of the turn, so the
-  reasoning, the answer and whatever the template closes the turn with (``eos`` / end-of-turn) are
-  targets; system and user turns, the turn headers and the generation prompt are context. Multi-turn
-  rows: every assistant turn is a target.
-* text: every token except the first (nothing precedes it).
-
-How assistant spans are found (incremental prefix rendering): for assistant turn ``k``, ``prefix`` is
-the rendering of ``messages[:k]`` WITH the generation prompt and ``upto`` the rendering of
-``messages[:k+1]``; the span is ``upto[len(prefix):]``. This assumes the template is
-prefix-stable: rendering a prefix of the conversation gives a prefix of the full rendering. Templates
-that rewrite earlier turns (e.g. drop the reasoning of every turn before the last user message) break
-it for multi-turn rows; that is detected and raised as :class:`TemplateError`. Character spans become
-token targets through the tokenizer's offsets: a token is a target when it STARTS inside a span.
+Design notes (reasoning fields, span finding): docs/data.md ("Rendering rows").
 """
 
 from __future__ import annotations
@@ -152,7 +130,7 @@ def assistant_spans(
     """The full rendering of ``messages`` and the character span of every assistant turn in it.
 
     Raises:
-        TemplateError: when the template is not prefix-stable for this conversation (module docstring).
+        TemplateError: when the template is not prefix-stable for this conversation (docs/data.md).
         ValueError: when the conversation has no assistant turn (nothing to train on).
     """
 

@@ -1,21 +1,11 @@
 """The ``data`` section: a weighted mixture of sources, and the readers that turn a source into rows.
 
-Sources (``type`` tells them apart):
+Sources: ``files`` (JSONL or Parquet, local or ``s3://``, read with ``datasets``; chat,
+prompt/response or text rows), ``generator`` (the built-in reasoning task) and ``reasoning_gym``.
+A reader maps a position of its per-rank stream to a row; files are read in epochs, each a fresh
+permutation of this rank's shard, so no two ranks share a row.
 
-* ``files``: JSONL (``.jsonl``, ``.json``, optionally ``.gz``) or Parquet files, local paths, folders,
-  globs or ``s3://`` URIs (globs allowed in the key; downloaded once into a local cache through boto3,
-  then read locally), read with the ``datasets`` library (memory-mapped Arrow, random access; or lazily
-  with ``streaming: true``, :mod:`components.data.streaming`). Row
-  layouts: ``chat`` (``messages``), ``prompt_response`` (``prompt``, ``response``; optional ``system``
-  and ``reasoning``), ``text`` (``text``); ``format: auto`` tells them apart by the columns of each file.
-  ``columns`` renames the file's columns first (``{conversations: messages}``).
-* ``generator``: the built-in verifiable modular-arithmetic task, each problem a chat row (user =
-  ``"Q:...\\n"``, assistant ``reasoning_content`` = the trace, ``content`` = ``"A:" + answer``).
-* ``reasoning_gym``: a task of the optional ``reasoning-gym`` package (:mod:`components.data.gym`).
-
-A reader maps a position of its per-rank stream to a row (:meth:`FilesReader.rows`): files are read
-as a sequence of epochs, each a fresh permutation of this rank's shard (the rows whose global index is
-``rank`` modulo ``world``), so every row is seen once per epoch and no two ranks share a row.
+Design notes: docs/data.md ("Sources").
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Files sources read as streams (``streaming: true``): for corpora too large to copy into Arrow files.
 
-``datasets`` reads the files lazily (``load_dataset(..., streaming=True)``), so nothing is converted
-or cached; the price is sequential access. The stream stays a pure function of its position:
+``datasets`` reads the files lazily; the stream stays a pure function of its position (shard by file
+or by row, epochs of permuted files through a seeded shuffle buffer). A reader serves increasing
+positions by reading forward and replays from the start for a smaller one.
 
-* shard: with at least ``world`` files, rank ``r`` reads the files ``r, r + world, ...`` (sorted order);
-  with fewer, every rank reads every file and keeps the rows at positions ``r (mod world)`` of the
-  shared sequence (each rank then parses all the data);
-* epoch ``e``: the shard's files in an order permuted by a seed of ``e``, rows through a shuffle buffer
-  of ``shuffle_buffer`` rows seeded the same way, rows whose user turn is in ``exclude`` skipped;
-* position ``p`` is row ``p - e * n`` of epoch ``e``, where ``n`` (rows per epoch) is counted at the
-  end of the first epoch.
-
-A reader keeps a cursor per stream and serves increasing positions by reading forward (what
-consecutive steps ask for); a smaller position (a restart, a resumed run) replays from the start,
-so resuming at step ``s`` reads the shard once up to ``s``'s position.
+Design notes (sharding, epochs, positions): docs/data.md ("Streaming files").
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """One tokenizer path for every stage: transformers' ``AutoTokenizer`` plus the ids the project needs.
 
-A checkpoint folder carries its tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, a chat
-template inline or in ``chat_template.jinja``, optionally ``generation_config.json``); :meth:`TextTokenizer.load`
-reads them with ``AutoTokenizer.from_pretrained`` and nothing else. The demo's character tokenizer is
-such a folder too (:func:`build_demo_tokenizer` writes it), so no stage branches on "demo or not".
+:meth:`TextTokenizer.load` reads a checkpoint folder's tokenizer files with
+``AutoTokenizer.from_pretrained`` and nothing else; the demo's character tokenizer is such a folder
+too (:func:`build_demo_tokenizer`). Reasoning markers are configurable strings, each one token or a
+sequence of tokens. Batch encoding and chat templates have fast paths, each checked against its
+reference (``hf.encode``, ``hf.apply_chat_template``) when the tokenizer is built.
 
-Reasoning markers (default ``<think>`` / ``</think>``) are configurable strings. Each is either a single
-token of the vocabulary (``think_open_id`` set) or a sequence of tokens (``think_open_ids`` holds the ids
-of the marker encoded on its own; in running text a BPE merge with the neighbouring characters can
-tokenize it differently, so callers matching marker sequences should also match on decoded text).
-
-The demo vocabulary (fixed, so ids are the same on every build):
-
-* ids 0-5: special tokens ``<pad>`` ``<bos>`` ``<eos>`` ``<unk>`` ``<think>`` ``</think>`` (added special
-  tokens: ``<think>`` in text is ONE token);
-* ids 6-7: ``"\\t"`` and ``"\\n"``; ids 8-102: printable ASCII ``" "`` .. ``"~"`` in code-point order
-  (id = 6 + index in ``"\\t\\n"`` + printable ASCII);
-* the rest: ``<unused_k>`` fillers up to a multiple of 16 (112) so embedding shapes are friendly.
-
-Every other character maps to ``<unk>``; ``decode(encode(text)) == text`` for vocabulary characters.
-Its chat template is :data:`DEMO_CHAT_TEMPLATE`.
-
-Two fast paths serve the data pipeline, which renders and encodes every training row: batches are
-encoded by the Rust ``tokenizers`` object under ``hf`` directly (the transformers wrapper around it
-costs more than the encoding of short rows), and chat templates are rendered by the compiled
-template directly (``apply_chat_template`` re-validates its inputs on every call). The references are
-``hf.encode`` and ``hf.apply_chat_template``; each fast path is checked against its reference on a
-probe when the tokenizer is built and is switched off if they differ (tests compare them too).
+Design notes (markers, the demo vocabulary, the fast paths): docs/data.md ("The tokenizer").
 """
 
 from __future__ import annotations

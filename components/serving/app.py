@@ -1,46 +1,13 @@
 """The Ray Serve application: an OpenAI-compatible API over every budget of one nested checkpoint.
 
-Entry points:
+Entry points: ``build_app(args)`` for ``serve run`` / ``serve deploy`` / a KubeRay RayService;
+``serve_foreground(model_uri, port, config)`` for ``star-elastic serve`` (checks a local checkpoint
+before Ray starts, serves until SIGTERM or Ctrl-C); ``ServingApp(state)``, the HTTP API alone
+(``.fastapi`` is the ASGI app, ``.close()`` stops the decode thread). The app is built on the replica
+after the model is loaded, so the same app serves with and without Ray; every request error is an
+OpenAI-style JSON error, never an exception out of a handler.
 
-* ``build_app(args) -> Application`` for ``serve run components.serving.app:build_app model_uri=...``,
-  ``serve deploy`` and a KubeRay RayService (``import_path: components.serving.app:build_app``,
-  ``args: {model_uri: ...}``). ``args`` holds ``model_uri`` (a checkpoint folder, ``s3://...`` or
-  ``models:/NAME@alias``), optionally ``config`` (a dict or a YAML/JSON path of
-  :class:`~components.serving.config.ServingConfig`) and any config field as an override.
-* ``serve_foreground(model_uri, port, config)``: what ``star-elastic serve CHECKPOINT_OR_MODEL_URI
-  --port N`` runs. Starts a local Ray (unless one is running), serves on ``host:port`` until
-  SIGTERM or Ctrl-C, then ``serve.shutdown()``.
-* ``ServingApp(state)``: the HTTP API alone (no Ray): ``.fastapi`` is the ASGI app (e.g. under
-  uvicorn, or an in-process transport in a test or benchmark), ``.close()`` stops the decode thread.
-
-Examples::
-
-    serve run components.serving.app:build_app model_uri=models:/star-elastic-demo@champion
-    python -c "from components.serving import serve_foreground; serve_foreground('runs/demo/latest', 8000)"
-    curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"model": "full",
-      "messages": [{"role": "user", "content": "Q:7+5*3-2\\n"}], "reasoning_budget": 64, "think_model": "small"}'
-
-Routes: ``GET /health`` (liveness, with the replica's pid and start time), ``GET /ready``,
-``GET /v1/models`` (every budget with total/active parameters), ``GET /v1/models/{id}``,
-``POST /v1/chat/completions``, ``POST /v1/completions`` (both streaming or not), ``GET /stats``
-(per-budget metrics, engine counters, resident memory, as JSON), ``GET /metrics`` (the same figures
-in the Prometheus text format, for a scraper pointed at the serving port). ``/v1/*`` and ``/stats``
-need the bearer key when one is configured; the probes and ``/metrics`` never do (as vLLM's).
-
-Design choices:
-
-* A plain deployment with a FastAPI ingress whose app is built on the replica after the model is
-  loaded (``__serve_build_asgi_app__``), so the same app serves with and without Ray. Shutdown is
-  the app's lifespan (Serve and uvicorn both run it), never a finalizer. No Serve
-  model multiplexing: budgets are views of one weight set, so any replica serves any budget and
-  there is nothing to load or evict per model id.
-* Every request error is answered here as an OpenAI-style JSON error (4xx for the client's
-  mistakes, 503 with ``Retry-After`` when the replica is full or not serving); nothing a request
-  carries can raise out of a handler, so a malformed request never costs a replica. Backpressure
-  is the replica's own (:class:`~components.serving.state.Admission`, see the config module).
-* ``serve_foreground`` checks a local checkpoint completely before Ray starts
-  (:func:`~components.serving.loading.preflight`), so a broken checkpoint is one line, not a
-  failed deployment after three replica retries.
+Routes, examples and design notes: docs/serving.md ("The application").
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Continuous batching of the serving engine: rows (one request in one phase) decoded together in groups.
 
-Design choices:
+Rows that start from the same cached length and feed the same number of tokens to one budget are
+prefilled together as a group (no padding ever enters a Mamba state); prefilled groups of one budget
+then merge into one decoding batch (:meth:`Group.absorb`), shorter KV histories left-padded and
+masked. Sampling, stops and limits are per row.
 
-* A *row* is one request in one phase (thinking or answering): what to feed, where to stop, its
-  sampling and what it has generated. Rows that start from the same cached length and feed the same
-  number of tokens to the same budget are prefilled together as a *group* (the rule of
-  :mod:`model.generate`: no padding ever enters a Mamba state).
-* Once prefilled, groups of one budget merge into one decoding batch (:meth:`Group.absorb`): Mamba
-  states are per row, and shorter KV histories are left-padded and masked
-  (:func:`model.cache.concat_caches`). When rows finish, the padding every remaining row shares is
-  trimmed. Sampling, stops and limits are per row, so requests with different parameters share a batch.
-* Stops: a stop id, a stop id sequence (a close marker the tokenizer splits into several tokens),
-  or a stop string (checked on the text a client would see). The token that ends a row is not fed;
-  with ``keep_state`` the row keeps its final cache (and a Mamba snapshot after its latest line
-  break) so the next phase can continue from it.
-* Log-probabilities are taken from the logits a row samples from (:func:`token_logprobs`); a group
-  holding an ``echo`` row keeps the prefill's logits at every position to score that prompt.
+Design notes (stops, kept state, log-probabilities): docs/serving.md ("Continuous batching").
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 """The serving engine: one weight copy, every budget a model, a batched two-phase decode loop.
 
-Design choices:
+One decode thread owns the models and every cache; requests arrive through a thread-safe inbox and
+leave as ``(index, kind, payload)`` events posted back to the event loop, so the loop never waits on
+a matmul. Batching is continuous (:mod:`components.serving.batch`). The two phases follow
+:func:`model.phases.think_then_answer` (same cap cut, resume state and seeds), token by token so
+that they can stream.
 
-* The engine decodes on a :class:`~components.serving.loading.LoadedModel`: one weight copy, every
-  budget a view of it (:mod:`components.serving.loading`).
-* One decode thread owns the models and every cache. Requests arrive from the event loop through a
-  thread-safe inbox and leave as events posted back to the loop, so the loop (health checks,
-  streaming) never waits on a matmul, and two decode steps never compete for the same cores.
-* Batching is at the step level (continuous batching, :mod:`components.serving.batch`): rows (one
-  request in one phase) are prefilled in groups and groups of one budget merge into one decoding
-  batch (up to ``batch_max_size`` rows), so requests that arrive while others are decoding join them
-  at their next step (``merge_running_batches``). The thread steps every active group once per
-  iteration. An idle engine waits up to ``batch_wait_timeout_s`` for concurrent requests before it
-  starts a batch, but only while traffic
-  is concurrent (two or more requests in flight within the last second): a lone client never pays
-  the wait. ``batch_max_size`` bounds a group. Sampling, stops and limits are per row, so requests
-  with different parameters still share a batch.
-* The two phases follow :func:`model.phases.think_then_answer` exactly, using its helpers for the
-  cap cut and the resume state: thinking stops at ``</think>`` (or ``<eos>``) or at the cap, where
-  it is cut after its last line break; standard budget control (think budget = answer budget)
-  continues from the cache (a Mamba snapshot at the last line break when the cut needs one); elastic
-  budget control re-prefills ``prompt + thinking + </think>`` on the answering budget. Seeds are
-  ``row_seed(seed, 0)`` for thinking and ``row_seed(seed, 1)`` for answering, which is what
-  ``think_then_answer`` gives a one-prompt call, so a seeded request is reproducible whatever it
-  is batched with (up to float rounding of batched matmuls). That function itself is not called
-  because it decodes a whole phase per call; streaming needs each token as it is sampled.
-* Streaming: thinking is sent line by line (text after the last line break may still be cut by the
-  cap, so it is held back); the answer is sent as it grows, minus a tail as long as the longest stop
-  string (a stop string is never sent, as in the OpenAI API).
-* Texts: every returned text is decoded without special tokens and without the reasoning marker
-  strings (``Engine.text``: :meth:`~components.serving.prompts.PromptRules.visible_text`), so control
-  tokens never reach a client.
-* Log-probabilities (``Job.logprobs``): every sampled answer token's log-probability under the
-  model (log-softmax of its logits, before temperature and top-p) and its top-k alternatives,
-  the stop token included; ``Job.echo`` also scores the prompt from the prefill's logits (all
-  positions are kept for such a group), see :mod:`components.serving.logprobs`.
-* One request may be several jobs (``n`` choices, a list of prompts): they share one event queue,
-  and every event carries the job's ``index``: ``(index, kind, payload)``.
+Design notes (batching wait, streaming, texts, log-probabilities): docs/serving.md ("The engine").
 """
 
 from __future__ import annotations

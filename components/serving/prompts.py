@@ -1,21 +1,11 @@
 """How request text becomes prompt ids: the rules the HTTP server and the registry's pyfunc share.
 
-Design choices:
+Chat messages go through the checkpoint's chat template, and control text in them (a special token
+or a reasoning marker) is refused, not escaped; completion prompts are raw text on purpose. A chat
+always thinks unless the template closed the thinking; a completion thinks when it ends with the
+open marker. Errors are :class:`PromptError` (a ``ValueError`` naming the request field).
 
-* Control text in a chat message is refused, not escaped: a special token or a reasoning marker in
-  a message's text would act as a control token once rendered, so it is an error naming the message,
-  the field and the tokens (:func:`check_messages`). Completion prompts are raw text on purpose:
-  special-token strings become their tokens.
-* Chat: the messages go through the checkpoint's chat template (``TextTokenizer.prompt_ids``). A
-  chat always has a thinking phase unless the template itself closed it (a generation prompt ending
-  with the close marker: a template switched to no-thinking); when the generation prompt does not
-  open it, the open marker's ids are appended, so budget control applies to every reasoning model.
-* Completion: a prompt ending with the open marker (trailing whitespace aside) thinks; any other is
-  one plain phase.
-* What a client is shown of generated ids (:meth:`PromptRules.visible_text`) never holds special
-  tokens or marker strings.
-* Errors are :class:`PromptError` (a ``ValueError`` carrying the request field at fault), so each
-  caller answers in its own shape: the server a 400, the pyfunc a ``ValueError`` naming the row.
+Design notes: docs/serving.md ("Prompt rules").
 """
 
 from __future__ import annotations

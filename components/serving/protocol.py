@@ -1,45 +1,11 @@
 """The OpenAI-compatible wire format: request and response models, errors, chat messages, SSE.
 
-Design choices:
+Requests are validated strictly (``strict=True``, ``extra="forbid"``) from the raw JSON body, so a
+wrong type, an unknown field or bad JSON is a 400 naming the field. Unimplemented OpenAI parameters
+are accepted only at their neutral value. Extensions: ``reasoning_budget`` (standard budget control)
+and ``think_model`` (elastic budget control); the thinking comes back as ``reasoning_content``.
 
-* Requests are validated strictly (``strict=True``, ``extra="forbid"``) from the raw JSON body, so
-  a string where a number belongs, an unknown field or bad JSON is a 400 whose ``param`` names the
-  field, never a silent coercion or a server error. OpenAI parameters this server does not
-  implement (tools, penalties, ``logit_bias``, ``response_format`` other than text, ...) are
-  accepted at their neutral value (``best_of: 1``, ``tools: []``, ``parallel_tool_calls``,
-  ``logit_bias: {}``, ...) and otherwise refused with a 400 naming the parameter and saying why
-  (:meth:`_GenerationRequest.check_supported`).
-* Two extensions, accepted by the official client through ``extra_body``: ``reasoning_budget``
-  (most thinking tokens: standard budget control) and ``think_model`` (the budget that thinks
-  before ``model`` answers: elastic budget control). ``max_tokens`` bounds the ANSWER only; the
-  thinking phase is bounded by ``reasoning_budget``.
-* The thinking is returned apart from the answer, as ``reasoning_content`` in the message (and in
-  stream deltas), the field name common OpenAI-compatible reasoning servers use; the official
-  client exposes it as an attribute of the message. ``usage.completion_tokens`` counts every
-  generated token, thinking included, and ``completion_tokens_details.reasoning_tokens`` the
-  thinking ones (tokens cut at a cap included: they were computed). Returned texts never hold
-  special tokens or the reasoning markers.
-* Defaults are the OpenAI API's (``temperature`` 1, ``top_p`` 1); ``temperature`` 0 is greedy.
-  ``stop`` strings end the ANSWER (thinking ends at the close marker or the budget) and are not
-  returned.
-* ``n`` choices per prompt; ``/v1/completions`` also takes a list of prompts (strings or token-id
-  lists); choice ``index`` is ``prompt_index * n + k``, as vLLM numbers them. ``logprobs`` on
-  completions is an integer 0-5 (the sampled token's log-probability plus that many alternatives);
-  ``echo`` prepends the prompt, with its tokens' log-probabilities (the first one null), as vLLM
-  returns them. On chat, ``logprobs: true`` and ``top_logprobs`` 0-20 cover the answer's tokens.
-  Log-probabilities are the model's own (before temperature and top-p).
-* ``/v1/completions`` takes the prompt as raw text (special-token strings become their tokens) or
-  token ids, and continues it. A prompt ending with the open marker (``<think>``) runs the thinking
-  phase (so ``reasoning_budget`` / ``think_model`` apply and the thinking comes back as the
-  choice's ``reasoning_content``); any other prompt is one plain phase, and those two fields are
-  rejected.
-* Chat requests are rendered by the checkpoint's chat template
-  (:meth:`~components.data.tokenizer.TextTokenizer.prompt_ids`), every message included (system,
-  earlier turns, an assistant turn's ``reasoning_content``). No message may contain a special
-  token of the tokenizer or a reasoning marker: it would become a control token, so it is refused
-  with a 400 naming the message and the token (:func:`components.serving.prompts.check_messages`).
-* Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``; a 503 (overload,
-  or a model that is not serving) carries ``Retry-After``.
+Design notes (defaults, ``n`` and prompt lists, logprobs, echo, errors): docs/serving.md ("The wire format").
 """
 
 from __future__ import annotations

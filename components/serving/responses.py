@@ -1,18 +1,10 @@
 """From the engine's events to OpenAI response bodies and server-sent events.
 
-Design choices:
+A request's jobs share one event queue of ``(choice index, kind, payload)`` events; the
+non-streaming path waits for every ``done``, the streaming path turns each event into one chunk for
+its choice. Whatever ends a request early cancels all of its jobs.
 
-* A request's jobs share one event queue; every event is ``(choice index, kind, payload)``:
-  ``("reasoning", text)``, ``("content", (text, logprob entries or None))``, ``("prompt", entries)``
-  (echo with logprobs, streaming), ``("done", JobResult)`` or ``("error", message)``. The
-  non-streaming path waits for every ``done``; the streaming path turns each event into one chunk
-  for its choice, as vLLM streams ``n`` choices.
-* Choices are numbered ``prompt * n + k``; ``usage`` counts each prompt once and every generated
-  token of every choice. ``budget_control`` (an extension) describes the first choice.
-* With ``echo`` the prompt's text comes first in ``text``, and its tokens' log-probabilities
-  (the first one null) first in ``logprobs``; ``text_offset`` counts characters of the token
-  strings from the start of the returned text.
-* Whatever ends a request early (an error, a client that hangs up) cancels all of its jobs.
+Design notes (event kinds, usage, echo): docs/serving.md ("Responses and streaming").
 """
 
 from __future__ import annotations

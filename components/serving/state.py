@@ -1,19 +1,11 @@
 """What one replica holds, and how a validated request becomes jobs for the engine.
 
-Design choices:
+:class:`ServingState` is the replica: one weight copy, the decode thread, metrics, admission and
+identity; it knows nothing about HTTP beyond a bounded body and the bearer key. :class:`Admission`
+is the replica's backpressure (a request holds its slot until its last token is sent). A request
+becomes one :class:`~components.serving.engine.Job` per (prompt, choice), indexed ``prompt * n + choice``.
 
-* :class:`ServingState` is the replica: one weight copy (:class:`~components.serving.loading.LoadedModel`),
-  the decode thread (:class:`~components.serving.engine.Engine`), metrics, admission, identity.
-  It knows nothing about HTTP beyond reading a bounded body and checking the bearer key.
-* Admission (:class:`Admission`) is the replica's backpressure: ``max_ongoing_requests`` requests
-  run, ``max_queued_requests`` more wait for a slot in arrival order, any further one is refused at
-  once with an OpenAI-shaped 503 carrying ``Retry-After``. A request holds its slot until its last
-  token is sent (streams included).
-* Prompts follow :mod:`components.serving.prompts` (shared with the registry's pyfunc); a prompt
-  the rules refuse is a 400 naming the field.
-* ``n`` and lists: one :class:`~components.serving.engine.Job` per (prompt, choice), all sharing one
-  event queue, indexed ``prompt * n + choice``. Choice 0 uses the request's ``seed`` (so ``n=1``
-  and choice 0 of ``n>1`` agree), choice k > 0 the seed ``row_seed(seed, k)``.
+Design notes (seeds of ``n`` choices): docs/serving.md ("The replica and admission").
 """
 
 from __future__ import annotations
