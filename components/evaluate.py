@@ -2,7 +2,7 @@
 
 Flow: materialize the checkpoint -> load its tokenizer (:class:`~components.data.tokenizer.TextTokenizer`,
 with the configured reasoning markers), the parent once and a weight-sharing view per budget
-(:class:`~model.budget_view.BudgetRegistry`) -> build the evaluation sets (JSONL files, local or
+(:class:`~model.decode.budget_view.BudgetRegistry`) -> build the evaluation sets (JSONL files, local or
 ``s3://``, and/or the built-in held-out levels; :mod:`components.eval_sets`) and render every
 question with the tokenizer's chat template -> for every (think budget, answer budget) pair,
 thinking cap and table row run :func:`~model.phases.budget_control` in batches -> aggregate ->
@@ -27,6 +27,9 @@ Design choices:
   ``last_number``); anything unexpected (no answer, garbage, an exception) counts as wrong.
 * Defaults are sized for a real reasoning model (thousands of thinking tokens, bf16 on a GPU when
   there is one); the demo config sets its own small limits.
+* In the pipeline the stage runs as a Ray task with ``resources`` (:mod:`components.stage_task`): a
+  task with a GPU evaluates on cuda in bfloat16 (``device``/``dtype`` auto), a CPU task on cpu in
+  float32; the progress bar is drawn on the driver.
 * ``carry_state_compare`` reruns every elastic pair with Mamba/KV state carried from the thinking
   budget instead of re-prefilling, and reports accuracy and latency deltas (and any fallback).
 * :func:`~components.eval_plots.best_elastic_vs_standard` compares each elastic pair's curve with
@@ -44,14 +47,14 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from tqdm import tqdm
 
 from components.data.answers import AnswerFormat, AnswerReader
 from components.data.tokenizer import ReasoningMarkers, TextTokenizer
 from components.eval_plots import best_elastic_vs_standard, carry_comparison, pareto_plot
 from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set, thinking_prompt
+from components.stage_task import TaskResources, progress_bar
 from components.tracking import NullTracker, Tracker
-from model.budget_view import BudgetRegistry
+from model.decode.budget_view import BudgetRegistry
 from model.generate import SamplingParams
 from model.phases import PhaseResult, PhaseTokens, budget_control
 
@@ -141,6 +144,12 @@ class EvalConfig(BaseModel):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: leave as is).")
     progress: bool = Field(True, description="Show a progress bar.")
+    resources: TaskResources = Field(
+        default_factory=TaskResources,
+        description="The Ray task the pipeline's evaluate stage runs in (components.stage_task.TaskResources): a GPU "
+        "(num_gpus: 1) with device auto evaluates on cuda in bfloat16; a CPU task (the default) on cpu in float32. "
+        "A direct run_evaluate call runs in its own process and ignores it.",
+    )
 
     @field_validator("eval_sets", mode="before")
     @classmethod
@@ -339,7 +348,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
     tok = load_tokenizer(folder, config.markers)
     sets = problem_sets(config)  # before the weights: a bad eval set fails in seconds
     device, dtype = config.resolved_device(), config.resolved_dtype()
-    registry = BudgetRegistry.from_checkpoint(folder, dtype=dtype, device=device, nested=True)
+    registry = BudgetRegistry.from_checkpoint(folder, dtype=dtype, device=device)
     pairs = resolve_pairs(config, registry)
     full_active = registry.active_params[registry.names[0]]
     tokens = PhaseTokens.from_tokenizer(tok)
@@ -362,7 +371,7 @@ def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutp
             caps.append(None)  # the uncapped run is each budget's accuracy with full thinking
         carries = [False, True] if config.carry_state_compare and think != answer else [False]
         jobs += [(think, answer, cap, carry) for cap in caps for carry in carries]
-    bar = tqdm(total=len(jobs) * len(sets), desc="evaluate", unit="run", disable=not config.progress)
+    bar = progress_bar(len(jobs) * len(sets), "evaluate", unit="run", disable=not config.progress)
     rows: list[dict[str, Any]] = []
     for think, answer, cap, carry in jobs:
         per_level, notes = [], set()

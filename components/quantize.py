@@ -24,6 +24,9 @@ Design choices:
 * Tensors kept in high precision are written in bfloat16 by default (``dense_dtype``), as in the
   checkpoints serving engines load, so the recovery compares against a bf16-like baseline and the
   sizes are those a deployment would store.
+* In the pipeline the stage runs as one Ray task with ``resources`` (:mod:`components.stage_task`):
+  quantizing loads the whole checkpoint and evaluating runs it, so the task carries the model's
+  memory and, to evaluate on cuda in bfloat16, a GPU; the evaluation runs inside that task.
 * Sizes: bytes of the safetensors files actually on disk (all budgets in one file), next to the
   source checkpoint's bytes and the bf16 size of the same tensors (the usual reference), with
   bits per parameter. The reported method lands at 97-100% recovery; a tiny demo model quantizes
@@ -44,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
 from components.data import DataConfig, ReasoningMarkers
+from components.stage_task import TaskResources
 from components.tracking import NullTracker, Tracker
 
 EvaluateFn = Callable[[str], dict[str, float]]
@@ -107,6 +111,12 @@ class QuantizeConfig(BaseModel):
     )
     evaluate_baseline: bool = Field(
         True, description="Evaluate the unquantized checkpoint here when baseline_accuracy misses a budget."
+    )
+    resources: TaskResources = Field(
+        default_factory=TaskResources,
+        description="The Ray task the pipeline's quantize stage runs in (components.stage_task.TaskResources). It "
+        "loads the checkpoint and runs the FP8 calibration and the evaluation of every format, so it needs the "
+        "model's memory, and a GPU (num_gpus: 1) to evaluate on cuda.",
     )
 
 

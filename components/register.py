@@ -18,6 +18,10 @@ and ``<alias>-<format>`` (e.g. ``champion-fp8``) to each quantized one, and drop
 ``<alias>-<format>`` the new family lacks; a failing gate moves nothing and records why. Aliases,
 never the deprecated stages.
 
+Logging a format loads it once: MLflow runs the pyfunc on its input example to check it loads and
+answers. The pipeline therefore runs this stage as a Ray task with ``resources``
+(:mod:`components.stage_task`), so that check runs on a worker and the driver holds no model.
+
 ``models:/NAME@alias`` and ``models:/NAME/VERSION`` resolve against ``MLFLOW_TRACKING_URI`` or, when
 it is unset, the pipeline's own store (``sqlite:///runs/mlflow.db``), which must exist: resolution
 never creates a store.
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.stage_task import TaskResources
 from components.tracking import MlflowTracker, Tracker
 
 if TYPE_CHECKING:
@@ -77,6 +82,12 @@ class RegisterConfig(BaseModel):
         default_factory=dict, description="Extra formats of the same family: format name -> checkpoint folder."
     )
     gate: PromotionGate = Field(default_factory=PromotionGate, description="Promotion rules.")
+    resources: TaskResources = Field(
+        default_factory=TaskResources,
+        description="The Ray task the pipeline's register stage runs in (components.stage_task.TaskResources). "
+        "Logging a format as an MLflow model loads it once and answers the input example (MLflow's check), so "
+        "the task needs the largest format's memory.",
+    )
 
 
 def gate_decision(

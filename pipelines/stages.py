@@ -3,6 +3,12 @@
 Each adapter's ``build`` returns the stage's validated config using the
 deterministic folders of upstream stages; ``run`` calls the component and
 returns JSON-able outputs (URIs and metrics) recorded in the stage marker.
+
+The driver holds no model. Export, evaluate, quantize and register run their component as a Ray
+task with the resources of their section's ``resources`` (:mod:`components.stage_task`); their
+outputs record where the task ran (``task``). The parent stage checks a given checkpoint from its
+file headers, and the rank and distillation stages run their model work in Ray tasks and Ray
+Train workers.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from components.tracking import Tracker
+from components.stage_task import TaskResources, run_task
+from components.tracking import MlflowTracker, Tracker
 from pipelines.config import ExportStageConfig, PipelineConfig
 from pipelines.runner import StageContext, StageSpec
 
@@ -62,15 +69,45 @@ def build_parent(ctx: StageContext) -> BaseModel:
     return ParentStageConfig(train=train.model_dump())
 
 
+def check_parent(folder: Path) -> int:
+    """Check a parent checkpoint from its file headers; returns its parameter count. No weight is loaded.
+
+    What the loader accepts passes (either key prefix, stacked or per-expert experts, tied embeddings,
+    ``mtp.*`` skipped); a file altered since its ``manifest.json`` or a missing, unexpected or
+    mis-shaped tensor raises :class:`~model.checkpoint.CheckpointError` naming them, before any stage
+    that needs the weights starts.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from model.checkpoint import check_state, read_config, to_canonical, verify_manifest, weight_files
+    from model.hybrid import HybridLM
+
+    config, raw = read_config(folder)
+    verify_manifest(folder)
+    found: dict[str, torch.Tensor] = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
+                if not key.startswith("mtp."):
+                    found[key] = torch.empty(fh.get_slice(key).get_shape(), device="meta")
+    state = to_canonical(found)
+    if "lm_head.weight" not in state and raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
+        state["lm_head.weight"] = state["model.embeddings.weight"]
+    with torch.device("meta"):  # shapes only: the meta device allocates nothing
+        parent = HybridLM(config)
+    check_state(parent.state_dict(), state, str(folder))
+    return parent.num_parameters()
+
+
 def run_parent(cfg: ParentStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
     from components.parent import ParentTrainConfig, train_parent
     from components.storage import materialize
-    from model.hybrid import HybridLM
 
     if cfg.uri:
         local = materialize(cfg.uri)
-        model = HybridLM.from_pretrained(local)  # fails early, naming tensors, if the checkpoint is bad
-        tracker.log_params({"parent_uri": cfg.uri, "num_parameters": model.num_parameters()})
+        num_parameters = check_parent(Path(local))  # fails early, naming tensors, if the checkpoint is bad
+        tracker.log_params({"parent_uri": cfg.uri, "num_parameters": num_parameters})
         return {"checkpoint_uri": str(Path(local).resolve()), "trained": False}
     metrics = train_parent(ParentTrainConfig(**cfg.train), tracker)
     return {"checkpoint_uri": str(_parent_dir(ctx).resolve()), "trained": True, "metrics": metrics}
@@ -160,27 +197,51 @@ def build_export(ctx: StageContext) -> BaseModel:
     )
 
 
-def run_export_stage(cfg: ExportStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+def export_work(cfg: ExportStageConfig, publish_uri: str | None, tracker: Tracker) -> dict[str, Any]:
+    """The export stage's task: the nested checkpoint streamed from the phase-2 output, its budgets logged,
+    and (with a storage root) the folder published from the task's node."""
     from components.distill.stage import run_export
     from components.storage import publish
     from model.elastic.export import read_elastic
 
     out = run_export(cfg.distill_dir, cfg.output_dir, cfg.allow_off_target, cfg.tolerance, tracker, cfg.select)
-    info = read_elastic(out)
-    budgets = [b.to_dict() for b in info.budgets]
+    budgets = [b.to_dict() for b in read_elastic(out).budgets]
     for b in budgets:
         tracker.log_metrics(
             {f"active_params/{b['name']}": b["active_params"], f"total_params/{b['name']}": b["total_params"]}
         )
     result: dict[str, Any] = {"checkpoint_uri": str(out), "budgets": budgets}
-    if ctx.pipeline.storage_uri:
-        result["published_uri"] = publish(out, f"{ctx.pipeline.storage_uri.rstrip('/')}/{ctx.pipeline.run_name}/nested")
+    if publish_uri:
+        result["published_uri"] = publish(out, publish_uri)
     return result
+
+
+def run_export_stage(cfg: ExportStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
+    storage = ctx.pipeline.storage_uri
+    target = f"{storage.rstrip('/')}/{ctx.pipeline.run_name}/nested" if storage else None
+    result, task = run_task(
+        export_work, cfg, target, resources=cfg.resources, name="export", field="export.resources", tracker=tracker
+    )
+    return {**result, "task": task.model_dump()}
 
 
 # ---------------------------------------------------------------------- evaluate
 def _nested_dir(ctx: StageContext) -> str:
     return str((ctx.dir("export") / "nested").resolve())
+
+
+def task_device(device: str, resources: TaskResources, device_field: str, resources_field: str) -> str:
+    """The evaluation device inside a stage task: ``auto`` is cuda when the task reserves a GPU and cpu
+    otherwise (a CPU task on a GPU node must not use a GPU it did not reserve); cuda without one is refused,
+    naming both fields."""
+    if device == "auto":
+        return "cuda" if resources.num_gpus > 0 else "cpu"
+    if device.startswith("cuda") and resources.num_gpus == 0:
+        raise ValueError(
+            f"{device_field}: {device!r} but the task reserves no GPU; set {resources_field}.num_gpus (e.g. 1), "
+            "or device: auto"
+        )
+    return device
 
 
 def build_evaluate(ctx: StageContext) -> BaseModel:
@@ -190,7 +251,10 @@ def build_evaluate(ctx: StageContext) -> BaseModel:
     section = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
     if ctx.pipeline.markers is not None and "markers" not in section:
         section["markers"] = ctx.pipeline.markers.model_dump()
-    return EvalConfig(**_merge(base, section))
+    cfg = EvalConfig(**_merge(base, section))
+    return cfg.model_copy(
+        update={"device": task_device(cfg.device, cfg.resources, "evaluate.device", "evaluate.resources")}
+    )
 
 
 def _per_budget(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -206,11 +270,14 @@ def _per_budget(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 def run_evaluate_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
     from components.evaluate import run_evaluate
 
-    out = run_evaluate(cfg, tracker)
+    out, task = run_task(
+        run_evaluate, cfg, resources=cfg.resources, name="evaluate", field="evaluate.resources", tracker=tracker
+    )
     return {
         **out.model_dump(),
         "accuracy": _per_budget(out.metrics, "acc"),
         "latency_s": _per_budget(out.metrics, "latency_s"),
+        "task": task.model_dump(),
     }
 
 
@@ -218,16 +285,22 @@ def run_evaluate_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
 def build_quantize(ctx: StageContext) -> BaseModel:
     from components.quantize import QuantizeConfig
 
-    # recovery needs accuracy per budget only: full thinking, no cap sweep, no elastic pairs
+    # recovery needs accuracy per budget only: full thinking, no cap sweep, no elastic pairs; the evaluation
+    # runs inside the quantize task, on its resources
     evaluate = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
-    ev = {k: v for k, v in evaluate.items() if k not in ("think_caps", "elastic_pairs")}
+    ev = {k: v for k, v in evaluate.items() if k not in ("think_caps", "elastic_pairs", "resources")}
     ev.update({"think_caps": [None], "elastic_pairs": [], "carry_state_compare": False, "progress": False})
     base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "evaluate": ev}
     section = ctx.pipeline.quantize.model_dump(exclude_unset=True)
     section["calibration"] = _inherit(ctx.pipeline, section.get("calibration") or {}, calibration=True)
     if ctx.pipeline.markers is not None:
         ev.setdefault("markers", ctx.pipeline.markers.model_dump())
-    return QuantizeConfig(**_merge(base, section))
+    cfg = QuantizeConfig(**_merge(base, section))
+    if cfg.evaluate is not None:
+        device = cfg.evaluate.get("device", "auto")
+        device = task_device(device, cfg.resources, "evaluate.device", "quantize.resources")
+        cfg = cfg.model_copy(update={"evaluate": {**cfg.evaluate, "device": device}})
+    return cfg
 
 
 def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
@@ -236,8 +309,12 @@ def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
     baseline = ctx.outputs("evaluate").get("accuracy", {})
     if baseline and not cfg.baseline_accuracy:
         cfg = cfg.model_copy(update={"baseline_accuracy": baseline})
-    out = run_quantize(cfg, tracker).model_dump()
+    result, task = run_task(
+        run_quantize, cfg, resources=cfg.resources, name="quantize", field="quantize.resources", tracker=tracker
+    )
+    out = result.model_dump()
     out["recovery"] = out.pop("recovery_by_format")
+    out["task"] = task.model_dump()
     return out
 
 
@@ -256,7 +333,12 @@ def run_register_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
     budgets = [{**b, "accuracy": accuracy.get(b["name"])} for b in ctx.outputs("export").get("budgets", [])]
     formats = {fmt: path for fmt, path in ctx.outputs("quantize").get("checkpoints", {}).items()}
     cfg = cfg.model_copy(update={"budgets": budgets, "formats": formats})
-    return run_register(cfg, tracker)
+    if not isinstance(tracker, MlflowTracker):
+        return run_register(cfg, tracker)  # tracking is off: nothing is logged, nothing loaded
+    out, task = run_task(
+        run_register, cfg, resources=cfg.resources, name="register", field="register.resources", tracker=tracker
+    )
+    return {**out, "task": task.model_dump()}
 
 
 STAGES: list[StageSpec] = [
@@ -276,7 +358,3 @@ STAGES: list[StageSpec] = [
 def pipeline_stages() -> list[StageSpec]:
     """Every stage of the DAG, in order."""
     return list(STAGES)
-
-
-def summary_json(outputs: dict[str, dict[str, Any]]) -> str:
-    return json.dumps(outputs, indent=2, default=str)

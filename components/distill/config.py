@@ -11,15 +11,17 @@ Design choices:
   Ray worker starts, so a bad config fails in seconds with a message that names the field.
 * ``budget_probs`` is aligned with the budgets sorted LARGEST FIRST (the order
   :class:`~model.elastic.budgets.BudgetSet` stores them in, whatever order they were written in).
-* Test-only knobs (``fail_at_step``) are plain fields with a description saying so: a config that
-  round-trips through YAML must keep them, and a production config simply leaves them unset.
+* The training loop carries no test code: a test that needs to act inside it (kill a worker mid-run)
+  names its own function in ``step_callback`` (an import path), which the loop calls at every step.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from components.data import DataConfig, GeneratorSource, ReasoningMarkers, held_out_prompts
 from components.data.checks import check_data
+from components.stage_task import TaskResources
 from model.config import HybridConfig
 from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.router import RouterConfig
@@ -37,7 +40,8 @@ PHASE2_DEFAULT_PROBS: tuple[float, ...] = (0.5, 0.3, 0.2)
 
 _BOOKKEEPING = {
     "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
-    "checkpoint_every", "max_failures", "fail_at_step", "kd_chunk_tokens", "activation_checkpointing",
+    "checkpoint_every", "max_failures", "step_callback", "kd_chunk_tokens", "activation_checkpointing",
+    "consolidation",
 }  # fmt: skip
 """Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
 
@@ -146,6 +150,12 @@ class DistillConfig(BaseModel):
     )
     checkpoint_every: int = Field(50, ge=1, description="Steps between Ray Train checkpoints (each costs ~1-2 s).")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: forever).")
+    consolidation: TaskResources = Field(
+        default_factory=TaskResources,
+        description="Resources of the Ray task that consolidates the final checkpoint's shards into output_dir "
+        "(components.stage_task.TaskResources: num_cpus, num_gpus, memory_gib, accelerator_type); it reads every "
+        "rank's shard tensor by tensor, so size memory_gib for the largest tensor, not the model.",
+    )
     storage_path: str | None = Field(
         None,
         description="Ray Train storage for checkpoints: a local folder or s3://bucket/prefix (AWS_* variables and "
@@ -165,12 +175,13 @@ class DistillConfig(BaseModel):
     experiment: str = Field("star-elastic", description="MLflow experiment of that run.")
     log_every: int = Field(10, ge=1, description="Steps between MLflow metric rows and progress lines.")
 
-    # ------------------------------------------------------------------ tests
-    fail_at_step: int | None = Field(
+    # ------------------------------------------------------------------ hooks
+    step_callback: str | None = Field(
         None,
-        ge=0,
-        description="Tests only: the last rank kills its own process at this step, once (a marker file in "
-        "output_dir stops it on the retry).",
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="Import path 'package.module:function' of a function every worker calls at the start of every "
+        "step as function(config, step, rank, world_size), before the step's work (e.g. a test that kills a "
+        "worker mid-run). None: nothing is called.",
     )
 
     # ------------------------------------------------------------------ validation
@@ -266,13 +277,34 @@ class DistillConfig(BaseModel):
         return str(out.parent / f"{out.name}.ray")
 
 
+StepCallback = Callable[["DistillConfig", int, int, int], None]
+"""``(config, step, rank, world_size) -> None``, called by every worker at the start of every step."""
+
+
+def resolve_step_callback(path: str | None) -> StepCallback | None:
+    """The function ``DistillConfig.step_callback`` names (``'package.module:function'``); None for None.
+    Raises ``ValueError`` naming the field when the module or the function cannot be found."""
+    if path is None:
+        return None
+    module_name, _, attr = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"step_callback={path!r}: {err}; name an importable 'package.module:function'") from err
+    if not callable(fn):
+        raise ValueError(f"step_callback={path!r} is not callable")
+    return fn
+
+
 def preflight(config: DistillConfig) -> HybridConfig:
     """Checks that read files, run on the driver before any worker starts; returns the teacher's config.
 
     * phase 2: ``init_from`` must exist and hold a student checkpoint with a router;
     * the teacher checkpoint must have a readable ``config.json``;
-    * the elastic space must fit the teacher and every budget must be reachable in it.
+    * the elastic space must fit the teacher and every budget must be reachable in it;
+    * ``step_callback`` must name an importable function.
     """
+    resolve_step_callback(config.step_callback)
     from components.storage import is_s3, materialize
 
     if config.init_from is not None and not is_s3(config.init_from):

@@ -14,11 +14,16 @@
    from the ranks' shards tensor by tensor, in the training dtype: bf16 training writes bf16), plus
    ``router.safetensors``, ``distill.json`` (space, budgets, router config, argmax architectures
    and their parameter counts), ``history.json`` (the logged rows) and the tokenizer files, all
-   hashed in ``manifest.json``. Phase 2's ``init_from`` is exactly such a folder.
+   hashed in ``manifest.json``. Phase 2's ``init_from`` is exactly such a folder. The consolidation
+   runs as a Ray task with the resources of ``consolidation`` (:mod:`components.stage_task`): the
+   files it reads (on ``s3://`` storage, every rank's optimizer shard at ZeRO-3) are fetched on the
+   task's node, never on the driver.
 
 ``run_export(distill_output_dir, out_dir)`` reads that folder, rebuilds the router, takes every
-budget's argmax architecture and writes the ONE nested checkpoint with
-:func:`~model.elastic.export.export_nested`.
+budget's argmax architecture and writes the ONE nested checkpoint: the elastic section from
+:func:`~model.elastic.export.nested_section`, the weights copied tensor by tensor
+(:func:`~model.checkpoint.iter_tensors`), never a whole model in memory. Its reference is
+:func:`~model.elastic.export.export_nested` on the loaded model (the tests compare them).
 
 Ray Train V2 (the default in Ray >= 2.50) is used as is: it runs a 2-worker job on 2 CPUs (the
 V1 trainer reserves a CPU for its own actor and waits forever for a third one).
@@ -44,13 +49,13 @@ from components.distill.config import (
     with_router_schedule,
     with_run_name,
 )
+from components.stage_task import run_task
 from components.tracking import NullTracker, Tracker
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
 from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter, RouterConfig
 from model.elastic.space import ElasticSpace
-from model.hybrid import HybridLM
 
 DISTILL_FILE = "distill.json"
 HISTORY_FILE = "history.json"
@@ -67,6 +72,9 @@ class DistillOutputs(BaseModel):
         default_factory=dict, description="Per budget: the router's argmax architecture at the end."
     )
     ray_checkpoint: str | None = Field(None, description="Where Ray Train stored the final checkpoint.")
+    consolidation_task: dict[str, Any] | None = Field(
+        None, description="Where and how long the consolidation task ran (components.stage_task.TaskInfo fields)."
+    )
 
 
 # ---------------------------------------------------------------------- driver side
@@ -172,10 +180,20 @@ def _summary(
     return summary
 
 
-def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> DistillOutputs:
-    """Run one distillation phase on Ray Train; see the module docstring."""
+def consolidate_output(
+    checkpoint: Any, config: DistillConfig, model_config: HybridConfig
+) -> tuple[Path, dict[str, Any], ckpt.TrainState]:
+    """Fetch the files consolidation reads from a Ray Train ``checkpoint`` (only those) and write ``output_dir``
+    (:func:`write_output`). The body of the consolidation task: what it fetches lands on the task's node."""
     from components.storage import materialize
 
+    needs = lambda relative: ckpt.consolidation_needs(relative, config.zero_stage)  # noqa: E731
+    with ckpt.fetch(checkpoint, needs) as folder:
+        return write_output(Path(folder), config, model_config, materialize(config.teacher_uri))
+
+
+def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> DistillOutputs:
+    """Run one distillation phase on Ray Train; see the module docstring."""
     tracker = tracker or NullTracker()
     model_config = preflight(config)  # raises before any worker starts
     config = with_run_name(with_router_schedule(_with_tracking(config, tracker)))  # phase 2 continues the anneal
@@ -183,9 +201,16 @@ def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> Distil
     result = build_trainer(config).fit()
     if result.checkpoint is None:
         raise RuntimeError(f"distill phase {config.phase}: the run finished without a checkpoint ({result.path})")
-    needs = lambda relative: ckpt.consolidation_needs(relative, config.zero_stage)  # noqa: E731
-    with ckpt.fetch(result.checkpoint, needs) as folder:
-        out, summary, state = write_output(Path(folder), config, model_config, materialize(config.teacher_uri))
+    (out, summary, state), task = run_task(
+        consolidate_output,
+        result.checkpoint,
+        config,
+        model_config,
+        resources=config.consolidation,
+        name=f"distill_phase{config.phase}.consolidate",
+        field=f"distill_phase{config.phase}.consolidation",
+        pass_tracker=False,
+    )
     last = state.history[-1] if state.history else {}
     metrics: dict[str, float] = {k: float(v) for k, v in last.items() if isinstance(v, int | float)}
     metrics.update(
@@ -207,10 +232,65 @@ def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> Distil
         metrics=metrics,
         architectures=summary["architectures"],
         ray_checkpoint=result.checkpoint.path,
+        consolidation_task=task.model_dump(),
     )
 
 
 # ---------------------------------------------------------------------- export
+_DTYPES_BY_NAME = {name: dtype for dtype, name in ckpt._DTYPE_NAMES.items()}
+_MTP_PREFIX = "mtp."  # multi-token-prediction heads: the loader skips them, so the export does too
+
+
+def _file_name(key: str) -> str:
+    """A stored key under the name the nested checkpoint writes (``backbone.`` read as ``model.``)."""
+    return "model." + key[len("backbone.") :] if key.startswith("backbone.") else key
+
+
+def _stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the loader keeps a tensor in: as stored, the MoE router's selection bias in float32."""
+    return torch.float32 if dtype.is_floating_point and name.endswith("e_score_correction_bias") else dtype
+
+
+def weight_entries(src: Path, model_config: HybridConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(name, shape, dtype)`` of every tensor the nested checkpoint copies from ``src``, in the order
+    :func:`~model.checkpoint.iter_tensors` yields them, read from the file headers only.
+
+    Checked against ``model_config`` (names and shapes, on the meta device): a folder that is not a
+    student in the layout the distill stage writes (stacked experts, ``lm_head`` stored) raises
+    :class:`~model.checkpoint.CheckpointError` naming every missing, unexpected and mis-shaped tensor.
+    """
+    from safetensors import safe_open
+
+    from model.checkpoint import check_state, weight_files
+    from model.hybrid import HybridLM
+
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    for path in weight_files(src):
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable; this is iter_views' order
+                if key.startswith(_MTP_PREFIX):
+                    continue
+                view = fh.get_slice(key)
+                name = _file_name(key)
+                entries.append((name, tuple(view.get_shape()), _stored_dtype(name, _DTYPES_BY_NAME[view.get_dtype()])))
+    with torch.device("meta"):
+        expected = HybridLM(model_config).state_dict()
+    found = {n: torch.empty(s, dtype=d, device="meta") for n, s, d in entries}
+    check_state(expected, found, f"{src} (export streams the student as the distill stage writes it)")
+    return entries
+
+
+def stream_weights(src: Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]]):
+    """Yield ``(name, tensor)`` for ``entries`` out of ``src``, one tensor in memory at a time."""
+    from model.checkpoint import iter_tensors
+
+    for key, tensor in iter_tensors(src):
+        if key.startswith(_MTP_PREFIX):
+            continue
+        name = _file_name(key)
+        yield name, tensor.to(_stored_dtype(name, tensor.dtype))
+
+
 def run_export(
     distill_output_dir: str | Path,
     out_dir: str | Path,
@@ -222,33 +302,36 @@ def run_export(
     """Write the ONE nested checkpoint from a distillation output folder (router argmax per budget,
     or with ``select="feasible"`` the on-target architecture nearest the argmax).
 
-    Raises ``ValueError`` (from :func:`~model.elastic.export.export_nested`) naming every budget
-    whose argmax architecture misses its target by more than ``tolerance``, unless
-    ``allow_off_target``.
+    The weights are copied tensor by tensor (one tensor in memory at a time, in its stored dtype);
+    no model is built. The result equals :func:`~model.elastic.export.export_nested` on the loaded
+    student. Raises ``ValueError`` (from :func:`~model.elastic.export.nested_section`) naming every
+    budget whose argmax architecture misses its target by more than ``tolerance``, unless
+    ``allow_off_target``; a broken or altered source fails its manifest check before anything is written.
     """
-    from model.elastic.export import export_nested, tokenizer_files
+    from model.atomic import publish_folder
+    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_config, verify_manifest, write_manifest
+    from model.elastic.export import nested_section, tokenizer_files
 
     src = Path(distill_output_dir)
     meta_path = src / DISTILL_FILE
     if not meta_path.exists():
         raise FileNotFoundError(f"{src}: no {DISTILL_FILE}; not a distillation output folder")
     meta = json.loads(meta_path.read_text())
-    model = HybridLM.from_pretrained(src)
+    model_config, _ = read_config(src)
+    verify_manifest(src)
+    entries = weight_entries(src, model_config)
     space = ElasticSpace.model_validate(meta["space"])
     budgets = BudgetSet.model_validate({"budgets": meta["budgets"]})
     router_config = RouterConfig.model_validate(meta["router"])
-    router = router_from(model.config, space, budgets, router_config, src / ckpt.ROUTER_FILE)
-    out = export_nested(
-        model,
-        router,
-        budgets,
-        space,
-        out_dir,
-        depth_order=meta.get("depth_order"),
-        extra_files=tokenizer_files(src),
-        allow_off_target=allow_off_target,
-        tolerance=tolerance,
-        select=select,
+    router = router_from(model_config, space, budgets, router_config, src / ckpt.ROUTER_FILE)
+    section = nested_section(
+        model_config, router, budgets, space, meta.get("depth_order"), allow_off_target, tolerance, select
     )
-    (tracker or NullTracker()).log_dict(json.loads((out / "config.json").read_text())["elastic"], "elastic.json")
-    return out
+    with publish_folder(out_dir) as staging:
+        ckpt.write_safetensors(staging / WEIGHTS_NAME, entries, stream_weights(src, entries))
+        model_config.to_json_file(staging / CONFIG_NAME, extra={"elastic": section})
+        for name, path in tokenizer_files(src).items():
+            shutil.copyfile(path, staging / name)
+        write_manifest(staging)
+    (tracker or NullTracker()).log_dict(section, "elastic.json")
+    return Path(out_dir)

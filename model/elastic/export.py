@@ -2,7 +2,8 @@
 
 Layout of a nested checkpoint (a normal ``nemotron_h`` folder, so any loader opens the parent):
 
-* ``model.safetensors``: the FULL (permuted, distilled) weights, written by ``save_pretrained``;
+* ``model.safetensors``: the FULL (permuted, distilled) weights, as ``save_pretrained`` writes them
+  (the export stage copies them from the distillation output tensor by tensor, the same tensors);
 * ``config.json``: the parent's config plus an ``elastic`` section::
 
       {"format_version": 1,
@@ -249,29 +250,22 @@ def _off_target(budget: Budget, count: ParamCount, full: ParamCount, tolerance: 
     return "; ".join(misses) if misses else None
 
 
-def export_nested(
-    model: HybridLM,
+def nested_section(
+    config: HybridConfig,
     router_or_archs: BudgetRouter | Mapping[str, Architecture | dict[str, Any]],
     budgets: BudgetSet,
     space: ElasticSpace,
-    out_dir: str | Path,
     depth_order: Sequence[int] | None = None,
-    extra_files: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
     allow_off_target: bool = False,
     tolerance: float = 0.05,
     select: str = "argmax",
-) -> Path:
-    """Write the nested checkpoint (full weights + ``elastic`` config section) to ``out_dir``.
+) -> dict[str, Any]:
+    """The ``elastic`` section of the nested checkpoint of a parent with ``config``; needs no weights.
 
-    ``router_or_archs``: a trained :class:`BudgetRouter` (architectures by ``select``: ``"argmax"``,
-    the method's rule, or ``"feasible"``, the on-target architecture nearest the argmax, see
-    :meth:`BudgetRouter.feasible_arch`; a budget so chosen records the argmax it replaced) or
-    ``{budget name: Architecture or dict}``. ``extra_files``: ``{name: source}`` or a list of
-    sources (copied under their own names), e.g. the tokenizer. Raises ``ValueError`` naming every
-    budget whose total or active fraction is more than ``tolerance`` (relative) off a target it
-    states, unless ``allow_off_target``. The write is atomic (see :func:`model.checkpoint.save_model`).
+    Arguments as :func:`export_nested`, which writes this section beside the weights; raises the
+    same errors (off-target budgets unless ``allow_off_target``, invalid architectures, a router
+    trained for other budgets).
     """
-    config = model.config
     space.validate_against(config)
     order = check_depth_order(config.num_hidden_layers, depth_order)
     archs = _architectures(router_or_archs, budgets, select, tolerance, order)
@@ -293,20 +287,53 @@ def export_nested(
             "budgets off target: " + "; ".join(problems) + " (pass allow_off_target=True to export anyway)"
         )
     parent = count_params(config)
-    section = {
+    return {
         "format_version": FORMAT_VERSION,
         "parent": {"total_params": parent.total, "active_params": parent.active},
         "budgets": [info.to_dict() for info in infos],
         "space": space.model_dump(),
         "depth_order": order,
     }
+
+
+def named_files(extra_files: Mapping[str, str | Path] | Sequence[str | Path] | None) -> dict[str, Path]:
+    """``extra_files`` as ``{name: source}``: a mapping as given, a list of sources under their own names."""
     if extra_files is None:
-        files: dict[str, Path] = {}
-    elif isinstance(extra_files, Mapping):
-        files = {name: Path(src) for name, src in extra_files.items()}
-    else:
-        files = {Path(src).name: Path(src) for src in extra_files}
-    return model.save_pretrained(out_dir, extra_config={"elastic": section}, extra_files=files)
+        return {}
+    if isinstance(extra_files, Mapping):
+        return {name: Path(src) for name, src in extra_files.items()}
+    return {Path(src).name: Path(src) for src in extra_files}
+
+
+def export_nested(
+    model: HybridLM,
+    router_or_archs: BudgetRouter | Mapping[str, Architecture | dict[str, Any]],
+    budgets: BudgetSet,
+    space: ElasticSpace,
+    out_dir: str | Path,
+    depth_order: Sequence[int] | None = None,
+    extra_files: Mapping[str, str | Path] | Sequence[str | Path] | None = None,
+    allow_off_target: bool = False,
+    tolerance: float = 0.05,
+    select: str = "argmax",
+) -> Path:
+    """Write the nested checkpoint (full weights + ``elastic`` config section) to ``out_dir``.
+
+    ``router_or_archs``: a trained :class:`BudgetRouter` (architectures by ``select``: ``"argmax"``,
+    the method's rule, or ``"feasible"``, the on-target architecture nearest the argmax, see
+    :meth:`BudgetRouter.feasible_arch`; a budget so chosen records the argmax it replaced) or
+    ``{budget name: Architecture or dict}``. ``extra_files``: ``{name: source}`` or a list of
+    sources (copied under their own names), e.g. the tokenizer. Raises ``ValueError`` naming every
+    budget whose total or active fraction is more than ``tolerance`` (relative) off a target it
+    states, unless ``allow_off_target``. The write is atomic (see :func:`model.checkpoint.save_model`).
+
+    This writes a model held in memory; the export stage streams a checkpoint folder tensor by
+    tensor instead (:func:`components.distill.stage.run_export`), with this function as its reference.
+    """
+    section = nested_section(
+        model.config, router_or_archs, budgets, space, depth_order, allow_off_target, tolerance, select
+    )
+    return model.save_pretrained(out_dir, extra_config={"elastic": section}, extra_files=named_files(extra_files))
 
 
 # ---------------------------------------------------------------------- reading and extraction
