@@ -15,8 +15,7 @@ import hashlib
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,23 +74,6 @@ def verify_manifest(folder: Path) -> None:
             raise CheckpointError(f"{folder}: file {name} listed in {MANIFEST_NAME} is missing")
         if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
             raise CheckpointError(f"{folder}: {name} does not match its SHA-256 in {MANIFEST_NAME} (corrupt?)")
-
-
-# ---------------------------------------------------------------------- atomic folders
-def atomic_folder(target: Path) -> tuple[Path, Callable[[], Path]]:
-    """:func:`~model.atomic.publish_folder` in two steps: ``(staging folder, commit)``.
-
-    ``commit()`` publishes the staging folder as ``target``; a caller that fails before it removes the
-    staging folder itself. New code uses :func:`~model.atomic.publish_folder` or :func:`write_checkpoint`.
-    """
-    stack = ExitStack()
-    staging = stack.enter_context(publish_folder(target))
-
-    def commit() -> Path:
-        stack.close()
-        return Path(target)
-
-    return staging, commit
 
 
 # ---------------------------------------------------------------------- key mapping

@@ -131,25 +131,22 @@ def write_output(
     The student is consolidated from the ranks' shards tensor by tensor (:func:`ckpt.consolidate`) into a
     nemotron_h ``model.safetensors`` in the training dtype; no model is built.
     """
-    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, atomic_folder, write_manifest
+    from model.atomic import publish_folder
+    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, write_manifest
     from model.elastic.export import tokenizer_files
 
     state = ckpt.read_state(checkpoint_dir)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
-    tmp, commit = atomic_folder(Path(config.output_dir))
-    try:
-        ckpt.consolidate(checkpoint_dir, tmp / WEIGHTS_NAME, tmp / ckpt.ROUTER_FILE, dtype)
-        model_config.to_json_file(tmp / CONFIG_NAME)
-        summary = _summary(config, model_config, state, tmp / ckpt.ROUTER_FILE)
-        (tmp / DISTILL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        (tmp / HISTORY_FILE).write_text(json.dumps(state.history, indent=1) + "\n")
+    with publish_folder(config.output_dir) as staging:
+        ckpt.consolidate(checkpoint_dir, staging / WEIGHTS_NAME, staging / ckpt.ROUTER_FILE, dtype)
+        model_config.to_json_file(staging / CONFIG_NAME)
+        summary = _summary(config, model_config, state, staging / ckpt.ROUTER_FILE)
+        (staging / DISTILL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        (staging / HISTORY_FILE).write_text(json.dumps(state.history, indent=1) + "\n")
         for name, src in tokenizer_files(teacher_dir).items():
-            shutil.copyfile(src, tmp / name)
-        write_manifest(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return commit(), summary, state
+            shutil.copyfile(src, staging / name)
+        write_manifest(staging)
+    return Path(config.output_dir), summary, state
 
 
 def _summary(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 from model.atomic import publish_folder
-from model.checkpoint import CheckpointError, atomic_folder, load_model, write_checkpoint
+from model.checkpoint import CheckpointError, load_model, write_checkpoint
 from model.hybrid import HybridLM
 
 
@@ -113,22 +112,6 @@ def test_published_folder_has_a_plain_folders_mode(tmp_path):
     assert mode == stat.S_IMODE((tmp_path / "plain").stat().st_mode)
 
 
-def test_two_step_form_publishes_on_commit_and_cleans_up_on_failure(tmp_path):
-    target = _old_folder(tmp_path)
-    staging, commit = atomic_folder(target)
-    (staging / "a.txt").write_text("new a")
-    assert commit() == target
-    assert _listing(target) == {"a.txt": "new a"}
-
-    staging, commit = atomic_folder(target)  # a caller that fails removes its staging folder, never commits
-    (staging / "a.txt").write_text("half written")
-    shutil.rmtree(staging)
-    del staging, commit
-    assert _listing(target) == {"a.txt": "new a"}
-    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
-
-
-# ---------------------------------------------------------------------- checkpoints
 def test_checkpoint_manifest_covers_every_file_and_is_verified_on_load(tmp_path, tiny_config):
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_text('{"model": "tiny"}')
