@@ -1,10 +1,12 @@
 """The rank stage: calibrate the parent, rank every elastic axis, and write the permuted parent.
 
-Flow: load the parent -> calibration batches -> calibration as Ray tasks, each over its share of the
-batches -> sum the additive accumulators on the driver -> (optionally) greedy depth ranking on the
-driver -> permute -> check against the parent on one batch -> save the checkpoint, ``rankings.json``
-and a plot -> log. Only batch indices travel to a task (batches are rebuilt from ``(seed, index)``);
-the result does not depend on how the work was split.
+Flow: check the calibration data against the parent's tokenizer and ``config.json`` -> calibration as
+Ray tasks, each over its share of the batches -> sum the additive accumulators on the driver -> one
+Ray task with ``resources`` (:func:`rank_and_permute`): load the parent, (optionally) greedy depth
+ranking, rankings, permute, check against the parent on a few rows, save the checkpoint and
+``rankings.json`` -> the plot and the log on the driver. The driver never builds a model. Only batch
+indices travel to a calibration task (batches are rebuilt from ``(seed, index)``); the result does
+not depend on how the work was split.
 
 Design notes: docs/stages.md ("The rank stage").
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +32,7 @@ from components.data import (
     make_data_batch,
 )
 from components.data.checks import check_data
+from components.stage_task import TaskInfo, TaskResources, check_feasible, ray_runtime, run_task
 from components.tracking import Tracker
 from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
 
@@ -81,6 +85,12 @@ class RankConfig(BaseModel):
     num_tasks: int = Field(2, ge=1, description="Ray tasks the calibration batches are split over.")
     cpus_per_task: int = Field(1, ge=1, description="CPUs (and torch threads) per calibration task.")
     gpus_per_task: float = Field(0.0, ge=0, description="GPUs per calibration task (0: run on CPU).")
+    resources: TaskResources = Field(
+        default_factory=TaskResources,
+        description="What Ray reserves for the one task that loads the parent, ranks depth, permutes, checks and "
+        "saves it (the calibration tasks have their own fields above). With a GPU the task works on cuda; host "
+        "memory must hold the parent's weights while they are read and again while the permuted copy is written.",
+    )
     progress: bool = Field(True, description="Print progress lines (rate and ETA).")
 
     @field_validator("axes")
@@ -99,6 +109,7 @@ class RankOutputs(BaseModel):
     rankings_uri: str
     plot_uri: str
     metrics: dict[str, float]
+    task: TaskInfo | None = Field(None, description="Where the permutation task ran (None: not run as a task).")
 
 
 # ---------------------------------------------------------------------- calibration data
@@ -185,38 +196,48 @@ def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
     return acc
 
 
-# ---------------------------------------------------------------------- the stage
-def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
-    """Rank and permute the parent; see the module docstring for the steps and the outputs."""
-    import ray
+# ---------------------------------------------------------------------- the permutation task
+@torch.no_grad()
+def check_permutation(model: Any, ids: torch.Tensor, permute: Callable[[Any], Any]) -> tuple[float, float]:
+    """Apply ``permute(model)`` (in place) and compare the logits before and after on ``ids`` (rows, seq).
 
+    One row at a time: a full-vocabulary logits tensor per row (seq x vocab, fp32) instead of the whole
+    batch's, so a parent that nearly fills its GPU still has room for the check; the rows before the
+    permutation wait on the host. Returns (max |after - before| over every row, position and vocabulary
+    entry, max(1, max |before|)).
+    """
+    device = model.device
+    before = [model(row[None].to(device)).logits.float().cpu() for row in ids]
+    permute(model)
+    diff = 0.0
+    for row, ref in zip(ids, before, strict=True):
+        after = model(row[None].to(device)).logits.float()
+        diff = max(diff, after.sub_(ref.to(after.device)).abs_().max().item())  # in place: no more copies
+    scale = max([1.0] + [ref.abs().max().item() for ref in before])
+    return diff, scale
+
+
+def rank_and_permute(config: RankConfig, acc_state: dict[str, Any], device: str) -> dict[str, Any]:
+    """The rank stage's model work, run as one Ray task: load the parent on ``device``, rank depth (if
+    asked), turn the summed calibration statistics ``acc_state`` into rankings, permute, check the
+    permuted parent against the parent, and write ``rankings.json`` and the permuted checkpoint.
+
+    Returns ``{"permuted_uri", "rankings_uri", "rankings": Rankings.to_dict(), "permute_max_abs_logit_diff",
+    "depth_seconds"}``; raises ``RuntimeError`` when the permuted parent computes something else.
+    """
     from components.storage import materialize
     from model.elastic.depth import depth_ranking
     from model.elastic.export import tokenizer_files
     from model.elastic.permute import apply_rankings
     from model.hybrid import HybridLM
 
-    t0 = time.perf_counter()
-    tracker.log_params(config.model_dump(mode="json"))
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    parent_dir = materialize(config.parent_uri)
-    model = HybridLM.from_pretrained(parent_dir)
     cal = config.calibration
-    tok = check_data(cal.data, parent_dir, cal.markers, model.config.vocab_size, "rank.calibration.data")
-
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init(num_cpus=max(2, config.num_tasks * config.cpus_per_task), include_dashboard=False)
-    try:
-        t_cal = time.perf_counter()
-        acc = _run_calibration(config)
-        cal_s = time.perf_counter() - t_cal
-    finally:
-        if started_ray:
-            ray.shutdown()
-
+    parent_dir = materialize(config.parent_uri)
+    tok = TextTokenizer.load(parent_dir, cal.markers)
+    model = HybridLM.from_pretrained(parent_dir).to(device)
     exclude = _exclude(cal)
+    acc = ImportanceAccumulator.from_state_dict(acc_state)
+
     depth, depth_s = None, 0.0
     if config.depth:
         t_depth = time.perf_counter()
@@ -227,32 +248,67 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
     if depth is not None:
         rankings.axes.append("depth")
 
-    # the permuted model must compute what the parent did: check on one batch before saving
+    # the permuted model must compute what the parent did: check on a few rows before saving
     check_ids = calibration_batch(cal, tok, 0, exclude)[:4]
-    with torch.no_grad():
-        before = model(check_ids).logits.float()
-        apply_rankings(model, rankings)
-        diff = (model(check_ids).logits.float() - before).abs().max().item()
-    scale = max(1.0, before.abs().max().item())
+    diff, scale = check_permutation(model, check_ids, lambda m: apply_rankings(m, rankings))
     exact_dtype = model.lm_head.weight.dtype == torch.float32
     if not math.isfinite(diff) or (exact_dtype and diff > 1e-4 * scale):
         raise RuntimeError(f"permuted parent differs from the parent by {diff:.3g} in logits (scale {scale:.3g})")
 
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)  # on a shared runs volume the driver made it already
     rankings_path = out / RANKINGS_FILE
     rankings_path.write_text(json.dumps(rankings.to_dict(), indent=1) + "\n")
     extra = tokenizer_files(parent_dir)  # tokenizer, chat template and generation config travel on
     extra[RANKINGS_FILE] = rankings_path
     permuted = model.save_pretrained(out / "permuted", extra_files=extra)
-    plot_path = plot_rankings(rankings, out / PLOT_FILE)
+    return {
+        "permuted_uri": str(permuted.resolve()),
+        "rankings_uri": str(rankings_path.resolve()),
+        "rankings": rankings.to_dict(),
+        "permute_max_abs_logit_diff": diff,
+        "depth_seconds": depth_s,
+    }
 
+
+# ---------------------------------------------------------------------- the stage
+def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
+    """Rank and permute the parent; see the module docstring for the steps and the outputs."""
+    from components.storage import materialize
+    from model.checkpoint import read_config
+
+    t0 = time.perf_counter()
+    tracker.log_params(config.model_dump(mode="json"))
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parent_dir = materialize(config.parent_uri)
+    model_config, _ = read_config(parent_dir)  # config.json only: the driver loads no weight
+    cal = config.calibration
+    check_data(cal.data, parent_dir, cal.markers, model_config.vocab_size, "rank.calibration.data")
+
+    with ray_runtime(max(config.num_tasks * config.cpus_per_task, config.resources.num_cpus)):
+        check_feasible(config.resources, "rank.resources")  # before the calibration, not after it
+        t_cal = time.perf_counter()
+        acc = _run_calibration(config)
+        cal_s = time.perf_counter() - t_cal
+        device = "cuda" if config.resources.num_gpus > 0 else "cpu"
+        result, task = run_task(
+            rank_and_permute, config, acc.state_dict(), device, resources=config.resources, name="rank",
+            field="rank.resources", pass_tracker=False, progress=config.progress,
+        )  # fmt: skip
+
+    rankings = Rankings.from_dict(result["rankings"])
+    rankings_path = Path(result["rankings_uri"])
+    plot_path = plot_rankings(rankings, out / PLOT_FILE)
     metrics = {
         "calibration_batches": float(acc.num_batches),
         "calibration_sequences": float(acc.num_sequences),
         "calibration_tokens": float(acc.num_tokens),
         "calibration_seconds": cal_s,
         "calibration_tokens_per_s": acc.num_tokens / cal_s if cal_s > 0 else 0.0,
-        "depth_seconds": depth_s,
-        "permute_max_abs_logit_diff": diff,
+        "depth_seconds": result["depth_seconds"],
+        "permute_max_abs_logit_diff": result["permute_max_abs_logit_diff"],
+        "permute_task_seconds": task.seconds,
         "rank_seconds": time.perf_counter() - t0,
     }
     overlap = reap_frequency_overlap(rankings)
@@ -261,12 +317,13 @@ def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
     tracker.log_metrics(metrics)
     tracker.log_artifact(rankings_path)
     tracker.log_artifact(plot_path)
-    tracker.set_tags({"rank.permuted_uri": str(permuted.resolve()), "rank.rankings_uri": str(rankings_path.resolve())})
+    tracker.set_tags({"rank.permuted_uri": result["permuted_uri"], "rank.rankings_uri": str(rankings_path)})
     return RankOutputs(
-        permuted_uri=str(permuted.resolve()),
-        rankings_uri=str(rankings_path.resolve()),
+        permuted_uri=result["permuted_uri"],
+        rankings_uri=str(rankings_path),
         plot_uri=str(plot_path.resolve()),
         metrics=metrics,
+        task=task,
     )
 
 

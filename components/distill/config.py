@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from components.data import DataConfig, GeneratorSource, ReasoningMarkers, held_out_prompts
 from components.data.checks import check_data
+from components.distill.heap import HostHeapConfig
 from components.stage_task import TaskResources
 from model.config import HybridConfig
 from model.elastic.budgets import Budget, BudgetSet
@@ -40,7 +41,7 @@ PHASE2_DEFAULT_PROBS: tuple[float, ...] = (0.5, 0.3, 0.2)
 
 _BOOKKEEPING = {
     "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
-    "checkpoint_every", "max_failures", "step_callback", "kd_chunk_tokens", "activation_checkpointing",
+    "checkpoint_every", "max_failures", "step_callback", "kd_chunk_tokens", "activation_checkpointing", "host_heap",
     "consolidation",
 }  # fmt: skip
 """Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
@@ -147,6 +148,11 @@ class DistillConfig(BaseModel):
         False,
         description="Recompute each student block's activations in the backward instead of keeping them "
         "(HybridLM.gradient_checkpointing): same gradients, one more block forward per block.",
+    )
+    host_heap: HostHeapConfig = Field(
+        default_factory=HostHeapConfig,
+        description="glibc heap settings a CPU worker applies to itself when it starts (components.distill.heap: "
+        "mmap_threshold, arena_max, trim); GPU workers ignore them.",
     )
     checkpoint_every: int = Field(50, ge=1, description="Steps between Ray Train checkpoints (each costs ~1-2 s).")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: forever).")
@@ -329,12 +335,30 @@ def preflight(config: DistillConfig) -> HybridConfig:
     return model_config
 
 
-def input_fingerprint(teacher_dir: Path, init_dir: Path | None) -> str:
-    """SHA-256 of the ``manifest.json`` files (per-file hashes) of the teacher and of ``init_from``."""
+def _manifest_bytes(uri: str | Path) -> bytes | None:
+    """The ``manifest.json`` of the checkpoint at ``uri`` (a folder or an ``s3://`` prefix), read by itself:
+    no weight file is downloaded. None when there is none."""
+    from components.storage import is_s3, s3_client, split_s3
+
+    if not is_s3(uri):
+        path = Path(uri) / "manifest.json"
+        return path.read_bytes() if path.exists() else None
+    bucket, prefix = split_s3(str(uri))
+    client = s3_client()
+    try:
+        return client.get_object(Bucket=bucket, Key=f"{prefix.rstrip('/')}/manifest.json".lstrip("/"))["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def input_fingerprint(teacher: str | Path, init: str | Path | None) -> str:
+    """SHA-256 of the ``manifest.json`` files (per-file hashes) of the teacher and of ``init_from``, folders or
+    ``s3://`` prefixes; a copy of a checkpoint has the fingerprint of the original."""
     h = hashlib.sha256()
-    for folder in (teacher_dir, init_dir):
-        if folder is not None and (folder / "manifest.json").exists():
-            h.update((folder / "manifest.json").read_bytes())
+    for uri in (teacher, init):
+        manifest = _manifest_bytes(uri) if uri is not None else None
+        if manifest is not None:
+            h.update(manifest)
     return h.hexdigest()
 
 
@@ -342,10 +366,7 @@ def with_run_name(config: DistillConfig) -> DistillConfig:
     """``config`` with ``run_name`` filled in (config and input weights keyed) unless it is set."""
     if config.run_name:
         return config
-    from components.storage import materialize
-
-    init_dir = materialize(config.init_from) if config.init_from else None
-    key = config.run_key(input_fingerprint(materialize(config.teacher_uri), init_dir))
+    key = config.run_key(input_fingerprint(config.teacher_uri, config.init_from))
     return config.model_copy(update={"run_name": f"distill-phase{config.phase}-{key}"})
 
 

@@ -7,7 +7,9 @@ name lengths), so a bad config fails before anything is applied.
 
 from __future__ import annotations
 
+import posixpath
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,6 +27,8 @@ _QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Node label published by NVIDIA GPU feature discovery; used to pin a group to one GPU model.
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+# The images' WORKDIR (infra/docker): the project lives there, and a pipeline's relative runs_dir resolves there.
+IMAGE_WORKDIR = "/app"
 
 
 class _Strict(BaseModel):
@@ -65,6 +69,58 @@ class WorkerGroup(_Strict):
         return self
 
 
+class RunsVolume(_Strict):
+    """The volume holding the pipeline's run folders (``runs_dir``), mounted into every Ray pod.
+
+    The driver (on the head) names folders under ``runs_dir``; the stage tasks and the distillation
+    workers on the worker pods read and write them (the rank stage's permuted parent, each phase's
+    output, the exported and quantized checkpoints). So head and workers mount one claim at one path.
+    """
+
+    claim_name: str = Field(
+        default="star-elastic-runs",
+        description="PersistentVolumeClaim holding the run folders (written to runs-volume-*.yaml beside the "
+        "cluster); head and worker pods mount it at mount_path.",
+    )
+    mount_path: str = Field(
+        default="/mnt/runs",
+        description="Where every Ray pod mounts the claim: the runs_dir of the pipeline config its RayJob runs "
+        f"(a relative runs_dir resolves against the image's working directory {IMAGE_WORKDIR}).",
+    )
+    size: str = Field(default="2Ti", pattern=_QUANTITY, description="Storage the claim requests, e.g. '2Ti'.")
+    storage_class: str | None = Field(
+        default=None,
+        description="StorageClass of the claim; with ReadWriteMany it must be a shared filesystem (NFS, CephFS, "
+        "EFS, Filestore, Azure Files). None: the cluster's default class.",
+    )
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany",
+        description="ReadWriteMany: pods on every node mount it (any multi-node cluster). ReadWriteOnce only where "
+        "every Ray pod runs on one node (a one-node kind or minikube cluster, whose local-path class refuses "
+        "ReadWriteMany).",
+    )
+
+    @field_validator("claim_name")
+    @classmethod
+    def _claim_is_label(cls, value: str) -> str:
+        if not _DNS1123.match(value) or len(value) > 63:
+            raise ValueError(f"runs_volume.claim_name {value!r} must be a DNS-1123 label")
+        return value
+
+    @field_validator("mount_path")
+    @classmethod
+    def _mount_path(cls, value: str) -> str:
+        if not value.startswith("/") or posixpath.normpath(value) != value:
+            raise ValueError(f"runs_volume.mount_path {value!r} must be an absolute, normalized path, e.g. /mnt/runs")
+        for taken in (IMAGE_WORKDIR, "/dev/shm"):
+            if taken == value or taken.startswith(value.rstrip("/") + "/"):
+                raise ValueError(
+                    f"runs_volume.mount_path {value!r} would hide {taken} (the project or the shared-memory mount); "
+                    f"mount it elsewhere, e.g. /mnt/runs or {IMAGE_WORKDIR}/runs"
+                )
+        return value
+
+
 class ClusterConfig(_Strict):
     """Everything a Ray cluster on Kubernetes needs; the single source of the KubeRay manifests."""
 
@@ -85,6 +141,11 @@ class ClusterConfig(_Strict):
         "None when pods get credentials another way (e.g. workload identity).",
     )
     service_account: str | None = Field(default=None, description="ServiceAccount the pods run as.")
+    runs_volume: RunsVolume = Field(
+        default_factory=RunsVolume,
+        description="Shared volume of the run folders, mounted at the pipeline's runs_dir on the head and on every "
+        "worker group, so a task or a training worker on any node sees the folders the driver names.",
+    )
     ray_version: str = Field(default="2.60.0", description="Ray version inside the image (the operator reads it).")
 
     @field_validator("namespace")

@@ -4,6 +4,9 @@ Every Ray manifest (the RayService of :mod:`pipelines.kuberay.serve` too) embeds
 :func:`ray_cluster_spec`, so one :class:`ClusterConfig` yields consistent clusters for long-lived
 use, for a pipeline run and for serving. Containers get the tracking URI,
 the storage root and the S3 endpoint as environment and S3 credentials from a Secret (``envFrom``).
+The pods that run pipeline code (RayCluster, RayJob) mount the shared runs volume
+(:func:`runs_volume_claim`) at the pipeline's ``runs_dir``; serving pods mount it only to serve a
+checkpoint folder on it (a registered model is read from MLflow).
 """
 
 from __future__ import annotations
@@ -59,10 +62,23 @@ def _env_from(secret: str | None) -> list[dict[str, Any]]:
     return [{"secretRef": {"name": secret}}] if secret else []
 
 
+RUNS_VOLUME = "runs"  # the pod-level name of the runs volume
+RUN_AS_GROUP = 1000  # the images' user (uid 1000, infra/docker); fsGroup makes a fresh volume writable for it
+
+
 def _pod_template(
-    cfg: ClusterConfig, role: str, cpus: float, memory: str, gpus: int, ports: list[dict[str, Any]]
+    cfg: ClusterConfig,
+    role: str,
+    cpus: float,
+    memory: str,
+    gpus: int,
+    ports: list[dict[str, Any]],
+    mount_runs: bool,
 ) -> dict[str, Any]:
-    """Pod template of a head (``role='ray-head'``) or worker pod; the Ray container must come first."""
+    """Pod template of a head (``role='ray-head'``) or worker pod; the Ray container must come first.
+
+    ``mount_runs``: mount the runs volume (``cfg.runs_volume``) at its mount path.
+    """
     limits: dict[str, str] = {"cpu": _cpu(cpus), "memory": memory}
     if gpus:
         limits[GPU_RESOURCE] = str(gpus)  # extended resources need only a limit; the request defaults to it
@@ -82,6 +98,12 @@ def _pod_template(
         "containers": [main],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
     }
+    if mount_runs:
+        runs = cfg.runs_volume
+        main["volumeMounts"].append({"name": RUNS_VOLUME, "mountPath": runs.mount_path})
+        spec["volumes"].append({"name": RUNS_VOLUME, "persistentVolumeClaim": {"claimName": runs.claim_name}})
+        # OnRootMismatch: change the ownership of the volume's files once, not at every pod start
+        spec["securityContext"] = {"fsGroup": RUN_AS_GROUP, "fsGroupChangePolicy": "OnRootMismatch"}
     if cfg.service_account:
         spec["serviceAccountName"] = cfg.service_account
     return {
@@ -90,8 +112,9 @@ def _pod_template(
     }
 
 
-def _worker_group_spec(cfg: ClusterConfig, group: WorkerGroup) -> dict[str, Any]:
-    template = _pod_template(cfg, "ray-worker", group.cpus, group.memory, group.gpus, [_port("metrics", 8080)])
+def _worker_group_spec(cfg: ClusterConfig, group: WorkerGroup, mount_runs: bool) -> dict[str, Any]:
+    ports = [_port("metrics", 8080)]
+    template = _pod_template(cfg, "ray-worker", group.cpus, group.memory, group.gpus, ports, mount_runs)
     selector = dict(group.node_selector)
     if group.gpu_type:
         selector[GPU_PRODUCT_LABEL] = group.gpu_type
@@ -114,8 +137,11 @@ def _port(name: str, number: int) -> dict[str, Any]:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-def ray_cluster_spec(cfg: ClusterConfig) -> dict[str, Any]:
-    """The ``RayClusterSpec`` shared by RayCluster, RayJob (``rayClusterSpec``) and RayService."""
+def ray_cluster_spec(cfg: ClusterConfig, mount_runs: bool = True) -> dict[str, Any]:
+    """The ``RayClusterSpec`` shared by RayCluster, RayJob (``rayClusterSpec``) and RayService.
+
+    ``mount_runs``: the head and every worker group mount the runs volume (pods that run pipeline code).
+    """
     head_params = {"dashboard-host": "0.0.0.0"}
     if cfg.worker_groups:
         # Keep tasks and actors off the head: it hosts the GCS, the dashboard and the job driver.
@@ -131,9 +157,9 @@ def ray_cluster_spec(cfg: ClusterConfig) -> dict[str, Any]:
         "rayVersion": cfg.ray_version,
         "headGroupSpec": {
             "rayStartParams": head_params,
-            "template": _pod_template(cfg, "ray-head", cfg.head_cpus, cfg.head_memory, 0, ports),
+            "template": _pod_template(cfg, "ray-head", cfg.head_cpus, cfg.head_memory, 0, ports, mount_runs),
         },
-        "workerGroupSpecs": [_worker_group_spec(cfg, group) for group in cfg.worker_groups],
+        "workerGroupSpecs": [_worker_group_spec(cfg, group, mount_runs) for group in cfg.worker_groups],
     }
     if cfg.autoscaling:
         spec["enableInTreeAutoscaling"] = True
@@ -192,6 +218,21 @@ def ray_job_manifest(
         "apiVersion": "ray.io/v1",
         "kind": "RayJob",
         "metadata": object_metadata(name, cfg.namespace, "ray-job"),
+        "spec": spec,
+    }
+
+
+def runs_volume_claim(cfg: ClusterConfig) -> dict[str, Any]:
+    """The ``PersistentVolumeClaim`` of ``cfg.runs_volume``, which every pod of the cluster's RayCluster / RayJob
+    mounts; create it before them (the pods wait, Pending, until it is bound)."""
+    runs = cfg.runs_volume
+    spec: dict[str, Any] = {"accessModes": [runs.access_mode], "resources": {"requests": {"storage": runs.size}}}
+    if runs.storage_class:
+        spec["storageClassName"] = runs.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": object_metadata(runs.claim_name, cfg.namespace, "runs-volume"),
         "spec": spec,
     }
 

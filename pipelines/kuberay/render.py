@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Mapping, Sequence
 from importlib.metadata import version as _dist_version
 from pathlib import Path
@@ -13,8 +14,20 @@ from typing import Any
 import yaml
 
 from components.serving.config import AutoscalingSettings, ServingConfig
-from pipelines.kuberay.config import DEFAULT_NAMESPACE, MLFLOW_PORT, ClusterConfig, WorkerGroup
-from pipelines.kuberay.manifests import mlflow_server_manifests, ray_cluster_manifest, ray_job_manifest
+from pipelines.kuberay.config import (
+    DEFAULT_NAMESPACE,
+    IMAGE_WORKDIR,
+    MLFLOW_PORT,
+    ClusterConfig,
+    RunsVolume,
+    WorkerGroup,
+)
+from pipelines.kuberay.manifests import (
+    mlflow_server_manifests,
+    ray_cluster_manifest,
+    ray_job_manifest,
+    runs_volume_claim,
+)
 from pipelines.kuberay.serve import ServeApp, ray_service_manifest
 
 
@@ -28,7 +41,18 @@ def _tracking_uri(namespace: str) -> str:
 
 
 def demo_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) -> ClusterConfig:
-    """A small CPU-only cluster (two fixed workers) for a laptop cluster such as kind or minikube."""
+    """A small CPU-only cluster (two fixed workers) for a laptop cluster such as kind or minikube.
+
+    Its runs volume is ReadWriteOnce, which every pod can mount on a one-node cluster (the access mode
+    is per node) and which the local-path class of kind accepts; demo.yaml's relative ``runs`` is
+    ``/app/runs`` in the pods.
+    """
+    runs = RunsVolume(
+        claim_name="star-elastic-runs-demo",
+        mount_path=f"{IMAGE_WORKDIR}/runs",
+        size="10Gi",
+        access_mode="ReadWriteOnce",
+    )
     return ClusterConfig(
         image=_image(registry, "cpu"),
         namespace=namespace,
@@ -37,6 +61,7 @@ def demo_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) 
         worker_groups=[WorkerGroup(name="cpu", replicas=2, min_replicas=2, max_replicas=2, cpus=4, memory="8Gi")],
         storage_uri="s3://star-elastic/runs",
         mlflow_tracking_uri=_tracking_uri(namespace),
+        runs_volume=runs,
     )
 
 
@@ -44,7 +69,9 @@ def real_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) 
     """Real scale: 8 x H100 per worker node, autoscaled between 1 and 8 nodes, artifacts on S3.
 
     8 nodes hold the 64 one-GPU distillation workers of ``pipelines/configs/real.yaml``; ``star-elastic
-    plan pipelines/configs/real.yaml`` gives their memory per GPU.
+    plan pipelines/configs/real.yaml`` gives their memory per GPU. The run folders live on a ReadWriteMany
+    volume at real.yaml's ``runs_dir`` (/mnt/runs): about 0.3 TB per run (the permuted parent, both phase
+    outputs and the nested checkpoint at 63 GB each in bf16, its FP8 and NVFP4 copies), so 2 TiB holds several.
     """
     gpu = WorkerGroup(
         name="gpu-h100",
@@ -66,6 +93,7 @@ def real_cluster_config(registry: str = "", namespace: str = DEFAULT_NAMESPACE) 
         env={"NCCL_DEBUG": "WARN", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
         storage_uri="s3://star-elastic/runs",
         mlflow_tracking_uri=_tracking_uri(namespace),
+        runs_volume=RunsVolume(claim_name="star-elastic-runs", mount_path="/mnt/runs", size="2Ti"),
     )
 
 
@@ -151,17 +179,47 @@ def check_cluster_holds(cfg: ClusterConfig, pipeline_yaml: str | Path, job: str)
             )
 
 
+def pipeline_runs_dir(pipeline_yaml: str | Path) -> tuple[str, str]:
+    """(``runs_dir`` as the pipeline YAML writes it (or its default), the absolute path it is in the pods).
+
+    A relative ``runs_dir`` resolves against the images' working directory, where the RayJob's entrypoint runs.
+    """
+    from pipelines.config import PipelineConfig, read_yaml
+
+    raw = str(read_yaml(pipeline_yaml).get("runs_dir") or PipelineConfig.model_fields["runs_dir"].default)
+    return raw, posixpath.normpath(posixpath.join(IMAGE_WORKDIR, raw))
+
+
+def check_runs_volume(cfg: ClusterConfig, pipeline_yaml: str | Path, job: str) -> None:
+    """Raise ``ValueError`` unless the pods of RayJob ``job`` mount the runs volume at ``pipeline_yaml``'s runs_dir:
+    the driver on the head names folders there that tasks and training workers on other pods read and write."""
+    raw, in_pods = pipeline_runs_dir(pipeline_yaml)
+    runs = cfg.runs_volume
+    if in_pods != runs.mount_path:
+        shown = raw if raw == in_pods else f"{raw!r} ({in_pods} in the pods)"
+        raise ValueError(
+            f"{pipeline_yaml}: runs_dir = {shown}, but the cluster of RayJob {job!r} mounts its runs volume "
+            f"{runs.claim_name!r} at {runs.mount_path}; set runs_dir: {runs.mount_path} in {pipeline_yaml}, or "
+            "runs_volume.mount_path in pipelines/kuberay/render.py"
+        )
+
+
 PIPELINE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 """The shipped pipeline configs the committed RayJobs run (as /app/pipelines/configs/ in the image)."""
+
+
+DEMO_JOB, REAL_JOB = "star-elastic-demo", "star-elastic-pipeline"  # the RayJobs running demo.yaml and real.yaml
 
 
 def render_manifests(demo_cfg: ClusterConfig, real_cfg: ClusterConfig) -> dict[str, str]:
     """File name -> YAML text of every committed manifest.
 
-    Raises ``ValueError`` when a RayJob's pipeline config asks for more training workers than its cluster holds.
+    Raises ``ValueError`` when a RayJob's pipeline config asks for more training workers than its cluster holds,
+    or writes its runs somewhere other than where its cluster mounts the runs volume.
     """
-    check_cluster_holds(demo_cfg, PIPELINE_CONFIGS / "demo.yaml", "star-elastic-demo")
-    check_cluster_holds(real_cfg, PIPELINE_CONFIGS / "real.yaml", "star-elastic-pipeline")
+    for cfg, config, job in ((demo_cfg, "demo.yaml", DEMO_JOB), (real_cfg, "real.yaml", REAL_JOB)):
+        check_cluster_holds(cfg, PIPELINE_CONFIGS / config, job)
+        check_runs_volume(cfg, PIPELINE_CONFIGS / config, job)
     mlflow = mlflow_server_manifests(
         real_cfg.namespace,
         demo_cfg.image,  # the server needs the project's Python packages, not CUDA
@@ -172,13 +230,13 @@ def render_manifests(demo_cfg: ClusterConfig, real_cfg: ClusterConfig) -> dict[s
     )
     docs: dict[str, list[dict[str, Any]]] = {
         "raycluster-cpu.yaml": [ray_cluster_manifest(demo_cfg, "star-elastic-cpu")],
-        "rayjob-demo.yaml": [
-            ray_job_manifest(demo_cfg, "star-elastic-demo", "star-elastic run /app/pipelines/configs/demo.yaml")
-        ],
+        "rayjob-demo.yaml": [ray_job_manifest(demo_cfg, DEMO_JOB, "star-elastic run /app/pipelines/configs/demo.yaml")],
+        "runs-volume-cpu.yaml": [runs_volume_claim(demo_cfg)],
         "raycluster-gpu.yaml": [ray_cluster_manifest(real_cfg, "star-elastic-gpu")],
         "rayjob-pipeline.yaml": [
-            ray_job_manifest(real_cfg, "star-elastic-pipeline", "star-elastic run /app/pipelines/configs/real.yaml")
+            ray_job_manifest(real_cfg, REAL_JOB, "star-elastic run /app/pipelines/configs/real.yaml")
         ],
+        "runs-volume-gpu.yaml": [runs_volume_claim(real_cfg)],
         "rayservice.yaml": [ray_service_manifest(real_cfg, "star-elastic-serve", real_serve_app())],
         "mlflow.yaml": mlflow,
     }

@@ -59,6 +59,11 @@ def serve_deploy_config(app: ServeApp) -> dict[str, Any]:
     }
 
 
+def _on_runs_volume(model_uri: str, cfg: ClusterConfig) -> bool:
+    mount = cfg.runs_volume.mount_path.rstrip("/") + "/"
+    return model_uri.startswith(mount)
+
+
 def ray_service_manifest(cfg: ClusterConfig, name: str, serve_config: Mapping[str, Any] | ServeApp) -> dict[str, Any]:
     """A ``RayService``: a cluster from ``cfg`` running the Serve app described by ``serve_config``.
 
@@ -77,7 +82,8 @@ def ray_service_manifest(cfg: ClusterConfig, name: str, serve_config: Mapping[st
         )
     spec = {
         "serveConfigV2": yaml.safe_dump(serve_deploy_config(app), sort_keys=False),
-        "rayClusterConfig": ray_cluster_spec(cfg),
+        # replicas load from MLflow or S3; a checkpoint folder on the runs volume needs the volume
+        "rayClusterConfig": ray_cluster_spec(cfg, mount_runs=_on_runs_volume(app.model_uri, cfg)),
     }
     return {
         "apiVersion": "ray.io/v1",

@@ -4,7 +4,8 @@ The pipeline runner runs export, evaluate, quantize and register over a tiny pha
 directly, without training) while the driver's ``HybridLM`` constructor is wrapped to count calls:
 the driver never builds a model (not even on the meta device), and every stage records the task
 that did the work, in another process. The consolidation that ends a distillation phase runs the
-same way. Errors raised in a task reach the driver with their type and message.
+same way, and so does the rank stage's permutation (after its calibration tasks). Errors raised in a
+task reach the driver with their type and message.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
 from components.distill.ckpt import STATE_FILE, TrainState
 from components.distill.config import DistillConfig
 from components.distill.stage import consolidate_output, run_export
+from components.rank import CalibrationConfig, RankConfig, run_rank
 from components.stage_task import RemoteTraceback, TaskResources, in_ray_task, run_task
-from components.tracking import MlflowTracker
+from components.tracking import MlflowTracker, NullTracker
 from model.config import HybridConfig
 from model.elastic import ElasticSpace
 from model.elastic.budgets import BudgetSet
+from model.elastic.importance import Rankings
 from model.elastic.router import BudgetRouter, RouterConfig
 from model.hybrid import HybridLM
 from pipelines.config import load_pipeline_config
@@ -167,3 +170,77 @@ def test_tasks_know_they_are_tasks_and_impossible_requests_are_refused(ray_runti
     assert inside and task.pid != os.getpid()  # so progress_bar draws Ray's bar there
     with pytest.raises(ValueError, match=r"evaluate.resources: the task asks for 1000 CPU but no node of the local"):
         run_task(in_ray_task, resources=TaskResources(num_cpus=1000), name="x", field="evaluate.resources")
+
+
+@pytest.fixture(scope="module")
+def rank_parent(tmp_path_factory, tokenizer_files) -> Path:
+    """A tiny random parent with the demo tokenizer beside it, its norms and router bias perturbed so that a
+    permutation slip would show in the logits."""
+    vocab = TextTokenizer.load(next(iter(tokenizer_files.values())).parent).vocab_size
+    model = HybridLM(HybridConfig(**{**TINY, "vocab_size": vocab, "n_routed_experts": 6})).init_weights(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+        for block in model.model.layers:
+            if block.kind == "moe":
+                block.mixer.gate.e_score_correction_bias.normal_(0, 0.2)
+    return model.save_pretrained(tmp_path_factory.mktemp("rank") / "parent", extra_files=tokenizer_files)
+
+
+RANK_FEW = [
+    "rank.calibration.num_samples=8",
+    "rank.calibration.seq_len=32",
+    "rank.calibration.batch_size=4",
+    "rank.calibration.exclude_eval_per_level=2",
+    "rank.num_tasks=1",
+    "rank.depth=true",
+    "rank.depth_batches=1",
+    "rank.progress=false",
+]
+
+
+def test_rank_stage_permutes_in_a_task_and_builds_no_model(ray_runtime, tmp_path, rank_parent, driver_constructions):
+    cfg = load_pipeline_config(DEMO, [*RANK_FEW, f"parent.uri={rank_parent}", f"runs_dir={tmp_path / 'runs'}"])
+    runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
+    keys = runner.keys(runner.build_configs())
+    (cfg.run_dir / "parent").mkdir(parents=True)
+    (cfg.run_dir / "parent" / MARKER).write_text(json.dumps({"key": keys["parent"], "outputs": {}}))
+    driver_constructions.clear()
+
+    tracker = MlflowTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "rank-task", run_name="pipeline")
+    with tracker:
+        (result,) = runner.run(tracker, only=["rank"])
+
+    assert driver_constructions == []  # the driver read config.json and the tokenizer, never a model
+    out = result.outputs
+    assert result.status == "ran" and out["task"]["pid"] != os.getpid() and out["task"]["resources"] == "2 CPU"
+    assert out["metrics"]["calibration_tokens"] == 8 * 32
+    assert out["metrics"]["permute_max_abs_logit_diff"] <= 1e-5
+    rankings = Rankings.from_dict(json.loads(Path(out["rankings_uri"]).read_text()))
+    assert rankings.depth is not None and out["depth_order"] == rankings.depth.removal_order
+    assert Path(out["plot_uri"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn on the driver
+    assert {"rankings.json", "tokenizer.json"} <= {p.name for p in Path(out["permuted_uri"]).iterdir()}
+
+    parent, permuted = HybridLM.from_pretrained(rank_parent), HybridLM.from_pretrained(out["permuted_uri"])
+    ids = torch.randint(0, parent.config.vocab_size, (2, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (permuted(ids).logits - parent(ids).logits).abs().max().item() <= 1e-5
+    assert not torch.equal(permuted.model.embeddings.weight, parent.model.embeddings.weight)  # something moved
+
+
+def test_rank_resources_no_node_has_are_refused_before_calibrating(ray_runtime, tmp_path, rank_parent, monkeypatch):
+    import components.rank as rank
+
+    def no_calibration(config):
+        raise AssertionError("calibrated before checking the permutation task's resources")
+
+    monkeypatch.setattr(rank, "_run_calibration", no_calibration)
+    config = RankConfig(
+        parent_uri=str(rank_parent),
+        output_dir=str(tmp_path / "rank"),
+        calibration=CalibrationConfig(num_samples=4, seq_len=16, batch_size=4, exclude_eval_per_level=0),
+        resources=TaskResources(num_cpus=1000),
+    )
+    with pytest.raises(ValueError, match=r"^rank.resources: the task asks for 1000 CPU but no node of the local"):
+        run_rank(config, NullTracker())

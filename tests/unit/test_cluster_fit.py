@@ -10,6 +10,7 @@ import yaml
 from pipelines.kuberay.render import (
     PIPELINE_CONFIGS,
     check_cluster_holds,
+    check_runs_volume,
     demo_cluster_config,
     real_cluster_config,
     render_manifests,
@@ -72,3 +73,22 @@ def test_plan_says_the_real_config_fits_on_the_committed_cluster():
     hw = PlanHardware(gpus=real_cluster_config().max_gpus, gpu_mem_gb=80, gpus_per_node=group.gpus, host_mem_gb=960)
     plan = make_plan(parent, phase_shapes(pipeline, checkpointing=True, kd_chunk=1024), hw)
     assert plan.fits, [(p.name, p.total_bytes / 1e9) for p in plan.phases]
+
+
+def test_rendering_refuses_a_runs_dir_the_cluster_does_not_mount(tmp_path: Path):
+    elsewhere = real_cluster_config().model_copy(
+        update={"runs_volume": real_cluster_config().runs_volume.model_copy(update={"mount_path": "/data/runs"})}
+    )
+    with pytest.raises(ValueError) as err:
+        render_manifests(demo_cluster_config(), elsewhere)
+    assert str(err.value) == (
+        f"{REAL}: runs_dir = /mnt/runs, but the cluster of RayJob 'star-elastic-pipeline' mounts its runs volume "
+        f"'star-elastic-runs' at /data/runs; set runs_dir: /data/runs in {REAL}, or runs_volume.mount_path in "
+        "pipelines/kuberay/render.py"
+    )
+    config = tmp_path / "p.yaml"  # a relative runs_dir is read where the image's entrypoint runs (/app)
+    config.write_text(yaml.safe_dump({"runs_dir": "out/runs"}))
+    with pytest.raises(ValueError, match=r"runs_dir = 'out/runs' \(/app/out/runs in the pods\), but the cluster"):
+        check_runs_volume(demo_cluster_config(), config, "star-elastic-demo")
+    config.write_text(yaml.safe_dump({"run_name": "x"}))  # the default runs_dir, runs: /app/runs
+    check_runs_volume(demo_cluster_config(), config, "star-elastic-demo")

@@ -26,7 +26,7 @@ from jsonschema.exceptions import ValidationError
 
 from components.serving.config import AutoscalingSettings, ServingConfig
 from pipelines.cli import main
-from pipelines.kuberay.config import ClusterConfig, WorkerGroup
+from pipelines.kuberay.config import ClusterConfig, RunsVolume, WorkerGroup
 from pipelines.kuberay.manifests import mlflow_server_manifests, ray_cluster_manifest, ray_job_manifest
 from pipelines.kuberay.render import demo_cluster_config, real_cluster_config, render_manifests, stale_manifests
 from pipelines.kuberay.serve import ServeApp, ray_service_manifest
@@ -229,10 +229,21 @@ def _built(cfg: ClusterConfig) -> list[dict[str, Any]]:
     ]
 
 
-def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
     spec = doc["spec"].get("rayClusterSpec") or doc["spec"].get("rayClusterConfig") or doc["spec"]
-    templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
-    return [c for t in templates for c in t["spec"]["containers"]]
+    return [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for t in _pod_templates(doc) for c in t["spec"]["containers"]]
+
+
+def _runs_mounts(template: dict[str, Any]) -> list[tuple[str, str]]:
+    """(claim name, mount path in the Ray container) of every PersistentVolumeClaim the pod template mounts."""
+    volumes = template["spec"]["volumes"]
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v}
+    ray_container = template["spec"]["containers"][0]
+    return [(claims[m["name"]], m["mountPath"]) for m in ray_container["volumeMounts"] if m["name"] in claims]
 
 
 def _committed_in(folder: Path, name: str) -> list[dict[str, Any]]:
@@ -298,6 +309,47 @@ def test_committed_real_scale_shape() -> None:
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     (job,) = _committed("rayjob-pipeline.yaml")
     assert job["spec"]["entrypoint"] == "star-elastic run /app/pipelines/configs/real.yaml"
+
+
+# Every pod that runs pipeline code mounts the runs volume where its RayJob's pipeline config writes.
+RUNS = {  # committed manifest -> (its claim's file, the pipeline config its cluster runs, runs_dir in the pods)
+    "rayjob-demo.yaml": ("runs-volume-cpu.yaml", "demo.yaml", "/app/runs"),
+    "raycluster-cpu.yaml": ("runs-volume-cpu.yaml", "demo.yaml", "/app/runs"),
+    "rayjob-pipeline.yaml": ("runs-volume-gpu.yaml", "real.yaml", "/mnt/runs"),
+    "raycluster-gpu.yaml": ("runs-volume-gpu.yaml", "real.yaml", "/mnt/runs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_committed_pipeline_pods_mount_the_runs_volume_at_runs_dir(name: str) -> None:
+    claim_file, pipeline, in_pods = RUNS[name]
+    (claim,) = _committed(claim_file)
+    assert claim["kind"] == "PersistentVolumeClaim"
+    runs_dir = yaml.safe_load((REPO / "pipelines" / "configs" / pipeline).read_text())["runs_dir"]
+    assert {"demo.yaml": "runs", "real.yaml": "/mnt/runs"}[pipeline] == runs_dir  # relative: under /app
+    (doc,) = _committed(name)
+    templates = _pod_templates(doc)
+    assert len(templates) == 2  # the head and the one worker group
+    for template in templates:
+        assert _runs_mounts(template) == [(claim["metadata"]["name"], in_pods)]
+
+
+def test_committed_runs_volumes() -> None:
+    (gpu,) = _committed("runs-volume-gpu.yaml")
+    assert gpu["metadata"]["name"] == "star-elastic-runs"
+    assert gpu["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on 8 nodes share it
+    assert gpu["spec"]["resources"]["requests"]["storage"] == "2Ti"
+    (cpu,) = _committed("runs-volume-cpu.yaml")
+    assert cpu["spec"]["accessModes"] == ["ReadWriteOnce"]  # a one-node kind cluster
+    (service,) = _committed("rayservice.yaml")  # serving reads models from MLflow: no run folders
+    assert all(_runs_mounts(t) == [] for t in _pod_templates(service))
+
+
+def test_a_served_checkpoint_on_the_runs_volume_mounts_it() -> None:
+    app = {"model_uri": "/mnt/runs/nano/export/nested", "serving": {"num_gpus_per_replica": 1}}
+    doc = ray_service_manifest(real_cluster_config(), "s", app)
+    assert all(_runs_mounts(t) == [("star-elastic-runs", "/mnt/runs")] for t in _pod_templates(doc))
+    assert_valid(doc)
 
 
 # Freshly built manifests.
@@ -538,6 +590,12 @@ def _cfg(**changes: Any) -> ClusterConfig:
             model_uri="m", serving={"max_ongoing_requests": 2, "autoscaling": {"target_ongoing_requests": 4}}
         ),
         lambda: ServeApp(model_uri="m", num_gpus_per_replica=1),  # a serving setting outside its section
+        lambda: RunsVolume(mount_path="runs"),  # relative
+        lambda: RunsVolume(mount_path="/mnt/runs/"),  # not normalized
+        lambda: RunsVolume(mount_path="/app"),  # would hide the project
+        lambda: RunsVolume(mount_path="/"),
+        lambda: RunsVolume(access_mode="ReadOnlyMany"),
+        lambda: RunsVolume(claim_name="Runs_Volume"),
         lambda: ray_job_manifest(_cpu_only(), "Job", "echo"),
         lambda: ray_job_manifest(_cpu_only(), "j" * 48, "echo"),
         lambda: ray_service_manifest(_cpu_only(), "s", {"model_uri": "m", "serving": {"num_gpus_per_replica": 1}}),
