@@ -4,7 +4,7 @@ For each model (the demo-sized parent and a ~120M-parameter one where weights do
 weights, three budgets each) and each budget, at batch 1:
 
 * ``ms/step``: a budget's cached single-token decode step at batch 1 after a ``--prompt``-token
-  prefill, on its view model (:func:`model.budget_view.budget_model`). The budgets (and their
+  prefill, on its view model (:func:`model.decode.budget_view.budget_model`). The budgets (and their
   contiguous copies) are measured in ``--rounds`` interleaved rounds, every round running each case
   once (``--steps`` steps after a fresh prefill; the round's figure is its fastest step, since other
   processes only ever add time) and alternating the order. ``ms/step`` is the median of the rounds'
@@ -25,7 +25,7 @@ weights, three budgets each) and each budget, at batch 1:
   write, both bytes counted), with the same thread count; best of 9, measured before and after.
 * ``lm_head layouts``: the largest single GEMV of a step, for each budget's hidden size, as a column
   view of the row-major (vocab, hidden) matrix against a row prefix of the same matrix stored transposed
-  (what a view model computes: :func:`~model.budget_view.budget_model` stores the parent inputs-major).
+  (what a view model computes: :func:`~model.decode.budget_view.budget_model` stores the parent inputs-major).
 
 ``--gemv`` also times one-row GEMVs on weights cycled from memory (no cache hits), by block size, as a
 strided view of a larger matrix against the same block contiguous (:func:`cold_gemv`).
@@ -52,10 +52,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_decode_paired import LARGE  # noqa: E402
+from benchmarks.bench_decode_paired import LARGE_BUDGETS as PAIRED_LARGE_BUDGETS  # noqa: E402
 from benchmarks.common import format_table, machine_info, save_json, set_threads, time_call  # noqa: E402
-from model import nested_layout  # noqa: E402
-from model.budget_view import BudgetRegistry, budget_model  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
+from model.decode.budget_view import BudgetRegistry, budget_model  # noqa: E402
 from model.elastic import Architecture, count_params  # noqa: E402
 from model.elastic.slicing import extract  # noqa: E402
 from model.hybrid import HybridLM  # noqa: E402
@@ -70,17 +71,7 @@ DEMO_BUDGETS = {
     "medium": Architecture(hidden=48, mamba_heads=6, moe_ffn=32, shared_ffn=48, mlp_ffn=96, experts=6),
     "small": Architecture(hidden=32, mamba_heads=4, moe_ffn=16, shared_ffn=32, mlp_ffn=64, experts=4),
 }
-LARGE = dict(  # ~120M parameters, weights dominate a decode step
-    vocab_size=32000, hidden_size=1024, pattern="M*EMEM-E", num_attention_heads=16, num_key_value_heads=4,
-    head_dim=64, intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64, n_groups=4, ssm_state_size=64,
-    chunk_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
-    moe_shared_expert_intermediate_size=2048,
-)  # fmt: skip
-LARGE_BUDGETS = {
-    "full": Architecture(),
-    "medium": Architecture(hidden=768, mamba_heads=24, moe_ffn=768, shared_ffn=1536, mlp_ffn=3072, experts=6),
-    "small": Architecture(hidden=512, mamba_heads=16, moe_ffn=512, shared_ffn=1024, mlp_ffn=2048, experts=4),
-}
+LARGE_BUDGETS = {name: Architecture(**kw) for name, kw in PAIRED_LARGE_BUDGETS.items()}
 
 
 def bandwidth(threads: int, mbytes: int = 512) -> dict[str, float]:
@@ -185,15 +176,15 @@ def cold_gemv(repeats: int = 60) -> list[dict[str, Any]]:
 
 def split_rows_gemv(repeats: int = 50) -> list[dict[str, Any]]:
     """Microseconds of one input row through the kept head rows of a projection, on weights not in any
-    cache: the :class:`~model.split_linear.RowSplitLinear` blocks (a batched matmul over strided runs)
+    cache: the :class:`~model.decode.split_linear.RowSplitLinear` blocks (a batched matmul over strided runs)
     against one GEMV over the span of the kept rows and a gather (its one-row path when the kept rows fill
     ``split_linear._SPAN_MIN_KEPT`` of the span). The parent is a Mamba ``in_proj``-like (4640, 1024)
     weight stored inputs-major, of which 8 runs of ``keep`` rows 512 apart and ``hidden`` input columns are
     kept. 25% quantile of the calls."""
     import torch.nn.functional as F
 
-    from model.budget_view import store_transposed
-    from model.split_linear import row_linear
+    from model.decode.budget_view import store_transposed
+    from model.decode.split_linear import row_linear
 
     out = []
     count = max(4, int(512e6 / (4640 * 1024 * 4)))
@@ -225,16 +216,14 @@ def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -
 
 
 def layout_cases(config: HybridConfig, budgets: dict[str, Architecture], measured: list[str]) -> dict[str, Any]:
-    """Per budget in ``measured``, three models of the same random weights: ``name`` as serving builds it
-    (a nested registry over all ``budgets``), ``name/group-major`` (views of a parent left group-major) and
-    ``name/contiguous`` (a contiguous copy of the budget, viewed so that it is stored inputs-major)."""
+    """Per budget in ``measured``, two models of the same random weights: ``name`` as serving builds it (a
+    registry over all ``budgets``) and ``name/contiguous`` (a contiguous copy of the budget, viewed so that
+    it is stored inputs-major)."""
     full = HybridLM(config).init_weights(0).eval()
-    plain = HybridLM(config).init_weights(0).eval()  # the same weights, Mamba projections left group-major
     models: dict[str, torch.nn.Module] = {}
     for budget in measured:
-        models[f"{budget}/contiguous"] = budget_model(extract(plain, budgets[budget]).eval(), Architecture())
-        models[f"{budget}/group-major"] = budget_model(plain, budgets[budget], name=budget)
-    registry = BudgetRegistry(full, budgets, nested=True)
+        models[f"{budget}/contiguous"] = budget_model(extract(full, budgets[budget]).eval(), Architecture())
+    registry = BudgetRegistry(full, budgets)
     for budget in measured:
         models[budget] = registry.get(budget)
     return models
@@ -249,16 +238,14 @@ def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: f
     for budget, arch in budgets.items():
         count, full_count = count_params(config, arch), count_params(config, budgets[first])
         floor = weight_bytes_read(config, arch, 4) / (bw * 1e9)
-        view, contiguous, group_major = steps[budget], steps[f"{budget}/contiguous"], steps[f"{budget}/group-major"]
+        view, contiguous = steps[budget], steps[f"{budget}/contiguous"]
         speedup = quartiles([a / b for a, b in zip(steps[first], view, strict=True)])
         rows.append(
             {"model": name, "budget": budget, "total_params": count.total, "active_params": count.active,
              "step_s": statistics.median(view), "step_rounds_s": view,
              "contiguous_step_s": statistics.median(contiguous),
-             "contiguous_rounds_s": contiguous, "group_major_step_s": statistics.median(group_major),
-             "group_major_rounds_s": group_major, "floor_s": floor, "view_mode": models[budget].mode,
+             "contiguous_rounds_s": contiguous, "floor_s": floor, "view_mode": models[budget].mode,
              "speedup": speedup[0], "speedup_q1": speedup[1], "speedup_q3": speedup[2],
-             "nested_gain": statistics.median([a / b for a, b in zip(group_major, view, strict=True)]),
              "param_ratio": full_count.active / count.active}
         )  # fmt: skip
     for r in rows:
@@ -268,43 +255,6 @@ def bench_model(name: str, fields: dict, budgets: dict[str, Architecture], bw: f
         r["contiguous_x_floor"] = r["contiguous_step_s"] / r["floor_s"]
         r["floor_target_met"] = r["x_floor"] <= 1.5
     return rows
-
-
-def mamba_projection_times(fields: dict, budgets: dict[str, Architecture], args) -> list[dict[str, Any]]:
-    """Milliseconds per decode step spent in the Mamba ``in_proj`` / ``out_proj`` calls of each budget but
-    the full one, for its three layouts (nested views: what serving builds; group-major views; a contiguous
-    copy), timed by forward hooks over interleaved rounds (hooks add the same call overhead to all three)."""
-    config = HybridConfig(**fields)
-    names = [b for b in budgets if budgets[b] != Architecture()]
-    models = layout_cases(config, budgets, names)
-    spent: dict[tuple[str, str], float] = {}
-    started: dict[tuple[str, str], float] = {}
-    handles = []
-
-    def start(key: tuple[str, str], inputs: tuple) -> None:
-        if inputs[0].shape[:-1].numel() == 1:  # a decode step's one row, not the prefill
-            started[key] = time.perf_counter()
-
-    def stop(key: tuple[str, str]) -> None:
-        if key in started:
-            spent[key] += time.perf_counter() - started.pop(key)
-
-    for case, model in models.items():
-        for block in model.model.layers:
-            for part in ("in_proj", "out_proj") if block.kind == "mamba" else ():
-                key = (case, part)
-                spent[key] = 0.0
-                module = getattr(block.mixer, part)
-                handles.append(module.register_forward_pre_hook(lambda _, inputs, k=key: start(k, inputs)))
-                handles.append(module.register_forward_hook(lambda *_, k=key: stop(k)))
-    interleaved_steps(models, args, config.vocab_size)
-    steps = (args.rounds + 1) * (args.steps + 2)  # every decode step each case ran (warm-up ones too)
-    for h in handles:
-        h.remove()
-    case = {"nested": "{}", "group-major": "{}/group-major", "contiguous": "{}/contiguous"}
-    return [{"budget": b, "layout": layout, "in_proj_ms": 1e3 * spent[(key.format(b), "in_proj")] / steps,
-             "out_proj_ms": 1e3 * spent[(key.format(b), "out_proj")] / steps}
-            for b in names for layout, key in case.items()]  # fmt: skip
 
 
 def profile_step(fields: dict, arch: Architecture, prompt: int, steps: int, rows: int = 12) -> str:
@@ -338,15 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-large", action="store_true", help="only the demo-sized model")
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
     p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
-    p.add_argument("--projections", action="store_true", help="also time the large model's Mamba projections")
-    p.add_argument("--nest-min-bytes", type=int, default=None,
-                   help="override nested_layout.NEST_MIN_BYTES (0: nest every layer, demo too)")  # fmt: skip
     p.add_argument("--json", type=str, default=None)
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch.manual_seed(0)
-    if args.nest_min_bytes is not None:
-        nested_layout.NEST_MIN_BYTES = args.nest_min_bytes
     load = os.getloadavg()
     bw = bandwidth(args.threads)
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s "
@@ -356,11 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_large:
         rows += bench_model("large", LARGE, LARGE_BUDGETS, bw["read_gbs"], args)
     headers = ["model", "budget", "active", "ms/step", "tok/s", "speedup (IQR)", "param ratio", "met",
-               "group-major ms", "contiguous ms", "floor ms", "x floor", "met", "contiguous x floor"]  # fmt: skip
+               "contiguous ms", "floor ms", "x floor", "met", "contiguous x floor"]  # fmt: skip
     table = [
         [r["model"], r["budget"], f"{r['active_params']:,}", 1e3 * r["step_s"], r["tok_s"],
          f"{r['speedup']:.3f} ({r['speedup_q1']:.3f}-{r['speedup_q3']:.3f})", r["param_ratio"],
-         "yes" if r["speedup_target_met"] else "no", 1e3 * r["group_major_step_s"], 1e3 * r["contiguous_step_s"],
+         "yes" if r["speedup_target_met"] else "no", 1e3 * r["contiguous_step_s"],
          1e3 * r["floor_s"], r["x_floor"], "yes" if r["floor_target_met"] else "no", r["contiguous_x_floor"]]
         for r in rows
     ]  # fmt: skip
@@ -389,12 +334,6 @@ def main(argv: list[str] | None = None) -> int:
             ["hidden", "kept share of each run", "strided blocks us", "span GEMV + gather us"],
             [[r["hidden"], r["kept_share"], r["blocks_us"], r["span_us"]] for r in split],
         ))  # fmt: skip
-    projections = mamba_projection_times(LARGE, LARGE_BUDGETS, args) if args.projections else []
-    if projections:
-        print(format_table(
-            ["budget", "Mamba layout", "in_proj ms/step", "out_proj ms/step"],
-            [[r["budget"], r["layout"], r["in_proj_ms"], r["out_proj_ms"]] for r in projections],
-        ))  # fmt: skip
     prof = {}
     if args.profile:
         targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]
@@ -406,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
                               "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
-                              "cold_gemv": gemv, "split_rows": split, "mamba_projections": projections,
+                              "cold_gemv": gemv, "split_rows": split,
                               "profile": prof})  # fmt: skip
     return 0
 

@@ -40,6 +40,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
 
     from benchmarks.bench_model import bench_config, build_models
+    from model.decode import DecodePlan
 
     torch.set_num_threads(1)
     folder = Path(args.dir)
@@ -54,16 +55,17 @@ def _child(args: argparse.Namespace) -> None:
         while not (folder / f"{name}.ack").exists():
             time.sleep(0.05)
 
+    plan = DecodePlan(ours)  # our decode step
     with torch.no_grad():
         cache = ours(prompt, use_cache=True).cache
         past = hf(prompt, use_cache=True).past_key_values
-        for i in range(4):  # first steps build lazily derived tensors and grow nothing later
-            ours(tokens[:, i : i + 1], cache=cache)
+        for i in range(4):  # warm: first calls load code and grow nothing later
+            plan(tokens[:, i : i + 1], cache)
             hf(tokens[:, i : i + 1], past_key_values=past, use_cache=True)
         steps = range(4, 4 + args.steps)
         handshake("start_ours")
         for i in steps:
-            ours(tokens[:, i : i + 1], cache=cache)
+            plan(tokens[:, i : i + 1], cache)
         handshake("start_transformers")
         for i in steps:
             hf(tokens[:, i : i + 1], past_key_values=past, use_cache=True)

@@ -1,8 +1,8 @@
 """Where a cached decode step of ``bench_model.py``'s model goes: time per layer kind, in the step and alone.
 
 For each batch size this times whole cached decode steps (the model as ``bench_model.py`` builds it, one
-torch thread unless ``--threads``), with a timer around every block's ``decode_step``, and reports per
-layer kind:
+torch thread unless ``--threads``) with its :class:`~model.decode.DecodePlan`, with a timer around every
+layer's step, and reports per layer kind:
 
 * in step: the blocks' milliseconds per decode step, summed over the layers of that kind;
 * alone: the same blocks each called back to back in a loop on one input (weights, state and code hot
@@ -35,54 +35,52 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.bench_model import bench_config  # noqa: E402
 from benchmarks.common import format_table, machine_info, save_json, set_threads  # noqa: E402
 from model.cache import HybridCache, KVCache, MambaCache  # noqa: E402
-from model.hybrid import Block, HybridLM  # noqa: E402
+from model.decode import DecodePlan  # noqa: E402
+from model.hybrid import HybridLM  # noqa: E402
 
 
-def _timed_blocks(model: HybridLM, totals: dict[str, float]) -> None:
-    """Wrap every block's ``decode_step`` (an instance attribute shadows the method) to add its seconds
-    into ``totals[kind]``."""
-    for block in model.model.layers:
-        inner = block.decode_step
+def _timed_steps(plan: DecodePlan, kinds: list[str], totals: dict[str, float]) -> list[Callable]:
+    """Wrap every layer step of ``plan`` to add its seconds into ``totals[kind]``; returns the originals."""
+    originals = list(plan.steps)
 
-        def timed(x: torch.Tensor, cache: HybridCache, index: int, _inner=inner, _kind=block.kind) -> torch.Tensor:
+    def timed(inner: Callable, kind: str) -> Callable:
+        def step(x: torch.Tensor, cache: HybridCache, index: int) -> torch.Tensor:
             start = time.perf_counter()
-            out = _inner(x, cache, index)
-            totals[_kind] += time.perf_counter() - start
+            out = inner(x, cache, index)
+            totals[kind] += time.perf_counter() - start
             return out
 
-        block.decode_step = timed
+        return step
+
+    plan.steps = [timed(inner, kind) for inner, kind in zip(originals, kinds, strict=True)]
+    return originals
 
 
-def _untimed_blocks(model: HybridLM) -> None:
-    for block in model.model.layers:
-        block.__dict__.pop("decode_step", None)
-
-
-def _alone(block: Block, index: int, cache: HybridCache, x: torch.Tensor) -> Callable[[], None]:
-    """One decode step of ``block`` on ``x``, repeatable: a private copy of its layer cache that every call
-    reuses (a Mamba state updated in place, an attention cache rewound to the same length)."""
+def _alone(step: Callable, index: int, cache: HybridCache, x: torch.Tensor) -> Callable[[], None]:
+    """One decode step of layer ``index`` on ``x``, repeatable: a private copy of its layer cache that every
+    call reuses (a Mamba state updated in place, an attention cache rewound to the same length)."""
     layer = cache.layers[index]
     own = HybridCache([None] * len(cache.layers))
     if isinstance(layer, MambaCache):
         state = {"cache": MambaCache(layer.conv.clone(), layer.ssm.clone(), owned=True)}
 
-        def step() -> None:
+        def run() -> None:
             own.layers[index] = state["cache"]
-            block.decode_step(x, own, index)
+            step(x, own, index)
             state["cache"] = own.layers[index]
 
-        return step
+        return run
     if isinstance(layer, KVCache):
         kv = KVCache(layer.k.clone(), layer.v.clone(), layer.length, layer.pad)
         length = layer.length
         own.layers[index] = kv
 
-        def step() -> None:
+        def run() -> None:
             kv.length = length
-            block.decode_step(x, own, index)
+            step(x, own, index)
 
-        return step
-    return lambda: block.decode_step(x, own, index)
+        return run
+    return lambda: step(x, own, index)
 
 
 def measure(model: HybridLM, batch: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -93,27 +91,28 @@ def measure(model: HybridLM, batch: int, args: argparse.Namespace) -> dict[str, 
     in_step: dict[str, list[float]] = defaultdict(list)
     alone: dict[str, list[float]] = defaultdict(list)
     whole: list[float] = []
+    plan = DecodePlan(model)
     with torch.no_grad():
         for round_ in range(args.rounds + 1):  # round 0 warms up
             totals: dict[str, float] = defaultdict(float)
             cache = model(ids[:, : args.prompt], use_cache=True).cache
-            _timed_blocks(model, totals)
+            steps = _timed_steps(plan, kinds, totals)
             start = time.perf_counter()
             for i in range(args.prompt, args.prompt + args.steps):
-                model(ids[:, i : i + 1], cache=cache)
+                plan(ids[:, i : i + 1], cache)
             elapsed = time.perf_counter() - start
-            _untimed_blocks(model)
-            # each block alone, on the input and cache state the last step left
+            plan.steps = steps
+            # each layer alone, on the input and cache state the last step left
             x = torch.randn(batch, model.config.hidden_size, generator=g)
             alone_round: dict[str, float] = defaultdict(float)
-            for index, block in enumerate(model.model.layers):
-                step = _alone(block, index, cache, x)
+            for index, (step, kind) in enumerate(zip(steps, kinds, strict=True)):
+                run = _alone(step, index, cache, x)
                 for _ in range(3):
-                    step()
+                    run()
                 start_alone = time.perf_counter()
                 for _ in range(args.calls):
-                    step()
-                alone_round[block.kind] += (time.perf_counter() - start_alone) / args.calls
+                    run()
+                alone_round[kind] += (time.perf_counter() - start_alone) / args.calls
             if round_ == 0:
                 continue
             whole.append(elapsed / args.steps)

@@ -6,8 +6,8 @@ are timed in one process. Measured, each as the median of ``--repeats`` runs aft
 
 * prefill: tokens/s of a no-grad forward over ``batch x seq`` tokens (full logits, no cache);
 * training: tokens/s of forward + cross-entropy + backward + AdamW step on ``batch x seq`` tokens;
-* decode: milliseconds per cached single-token step after a ``--prompt``-token prefill, at batch 1 and
-  at ``--batch``.
+* decode: milliseconds per cached single-token step (ours: the model's :class:`~model.decode.DecodePlan`)
+  after a ``--prompt``-token prefill, at batch 1 and at ``--batch``.
 
 Speedups (> 1: ours faster) are transformers' time / ours for the same work, taken round by round (the two
 sides alternate, first one then the other) and reported as the median over rounds with its interquartile range:
@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     time_interleaved,
 )
 from model.config import HybridConfig  # noqa: E402
+from model.decode import DecodePlan  # noqa: E402
 from model.hybrid import HybridLM  # noqa: E402
 
 Forward = Callable[[Tensor], Tensor]
@@ -108,7 +109,7 @@ def check_parity(ours: HybridLM, hf: nn.Module, cfg: HybridConfig, prompt: int) 
     with torch.no_grad():
         full = (ours(ids).logits - hf(ids, use_cache=False).logits).abs().max().item()
         a = ours(ids[:, :-1], use_cache=True)
-        step_ours = ours(ids[:, -1:], cache=a.cache).logits
+        step_ours = DecodePlan(ours)(ids[:, -1:], a.cache).logits
         b = hf(ids[:, :-1], use_cache=True)
         step_hf = hf(ids[:, -1:], past_key_values=b.past_key_values, use_cache=True).logits
         step = (step_ours - step_hf).abs().max().item()
@@ -126,9 +127,10 @@ def decode_op_counts(ours: HybridLM, hf: nn.Module, cfg: HybridConfig, prompt: i
     with torch.no_grad():
         cache = ours(ids[:, :prompt], use_cache=True).cache
         past = hf(ids[:, :prompt], use_cache=True).past_key_values
+        plan = DecodePlan(ours)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(prompt, prompt + steps):
-                ours(ids[:, i : i + 1], cache=cache)
+                plan(ids[:, i : i + 1], cache)
         out["ours"] = sum(e.count for e in prof.key_averages()) / steps
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(prompt, prompt + steps):
@@ -163,7 +165,8 @@ def train_case(model: nn.Module, fn: Forward, ids: Tensor, labels: Tensor) -> Ca
 
 
 def decode_case_ours(model: HybridLM, prompt: Tensor, tokens: Tensor) -> Case:
-    """``tokens.shape[1]`` cached steps, each after an untimed prefill of ``prompt``."""
+    """``tokens.shape[1]`` cached steps of the model's decode plan, each after an untimed prefill of ``prompt``."""
+    plan = DecodePlan(model)
 
     def setup() -> Any:
         with torch.no_grad():
@@ -172,7 +175,7 @@ def decode_case_ours(model: HybridLM, prompt: Tensor, tokens: Tensor) -> Case:
     def run(cache: Any) -> None:
         with torch.no_grad():
             for i in range(tokens.shape[1]):
-                model(tokens[:, i : i + 1], cache=cache)
+                plan(tokens[:, i : i + 1], cache)
 
     return Case(run, setup)
 

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.common import format_table, machine_info, replace_section, set_threads  # noqa: E402
 from components.parent import DEMO_PARENT_ARCH  # noqa: E402
 from model.config import HybridConfig  # noqa: E402
+from model.decode import DecodePlan  # noqa: E402
 from model.elastic import Architecture, ElasticSpace, count_params  # noqa: E402
 from model.elastic.budgets import BudgetSet  # noqa: E402
 from model.elastic.export import export_nested, extract_budget  # noqa: E402
@@ -101,20 +102,22 @@ def decode_rates(
     """
     ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
 
-    def one_run(model: HybridLM) -> float:
+    plans = {name: DecodePlan(model) for name, model in models.items()}  # the decode step generation runs
+
+    def one_run(name: str, model: HybridLM) -> float:
         with torch.no_grad():
             out = model(ids, use_cache=True, logits_to_keep=1)  # prefill: untimed
             cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             start = time.perf_counter()
             for _ in range(steps):
-                out = model(tok, cache=cache, logits_to_keep=1)
+                out = plans[name](tok, cache)
                 cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
             return time.perf_counter() - start
 
     samples: dict[str, list[float]] = {name: [] for name in models}
     for round_ in range(warmup + repeats):
         for name, model in models.items():
-            elapsed = one_run(model)
+            elapsed = one_run(name, model)
             if round_ >= warmup:
                 samples[name].append(elapsed)
     return {name: batch * steps / statistics.median(s) for name, s in samples.items()}

@@ -8,7 +8,6 @@ from torch import Tensor, nn
 
 from model.cache import KVCache
 from model.config import HybridConfig
-from model.fastops import linear
 
 
 class Attention(nn.Module):
@@ -59,61 +58,3 @@ class Attention(nn.Module):
             out = out * head_mask.to(out.dtype)[None, :, None, None]
         out = out.transpose(1, 2).reshape(b, seq, self.num_heads * self.head_dim)
         return self.o_proj(out), cache
-
-    def decode_step(self, hidden: Tensor, cache: KVCache, residual: Tensor) -> tuple[Tensor, KVCache]:
-        """One cached decode token without a head mask: hidden, residual (b, hidden_size) -> residual + output.
-
-        The new key/value go straight into the preallocated cache slot, and one query needs no transposes:
-        (b, heads, 1, head_dim) is the memory of (b, 1, heads * head_dim). With several threads, a short
-        cache takes broadcast products and sums instead of ``scaled_dot_product_attention`` (see
-        :func:`_broadcast_attention`). An empty or full cache takes :meth:`forward`.
-        """
-        b, past = hidden.shape[0], cache.length
-        if past == 0 or past >= cache.k.shape[2]:
-            out, new = self.forward(hidden[:, None], cache, True)
-            return residual + out[:, 0], new
-        kv, d, heads = self.num_kv_heads, self.head_dim, self.num_heads
-        modules = self._modules  # not self.q_proj etc.: module attributes cost a failed lookup first
-        q = linear(modules["q_proj"], hidden)
-        cache.k.select(2, past).copy_(linear(modules["k_proj"], hidden).view(b, kv, d))
-        cache.v.select(2, past).copy_(linear(modules["v_proj"], hidden).view(b, kv, d))
-        cache.length = n = past + 1
-        k, v = cache.k.narrow(2, 0, n), cache.v.narrow(2, 0, n)  # (b, kv, n, d) views of the cache
-        if cache.pad is not None:  # rows of different lengths: mask each row's leading padding slots
-            mask = cache.attention_mask(n)
-            out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, attn_mask=mask, enable_gqa=heads != kv)
-        elif _use_broadcast(q.numel() * n):
-            out = _broadcast_attention(q.view(b * kv, heads // kv, d), k, v)
-        else:
-            out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, enable_gqa=heads != kv)
-        return linear(modules["o_proj"], out.reshape(b, heads * d), residual), cache
-
-
-_SMALL_ATTENTION = 1 << 15
-"""Query elements x cached tokens up to which a multi-threaded decode step uses :func:`_broadcast_attention`
-(ATen's grain size: below it elementwise kernels run on one thread, so that path opens no parallel region)."""
-
-
-def _use_broadcast(work: int) -> bool:
-    """Whether one query's attention over ``work`` = query elements x cached tokens takes the broadcast path:
-    small, and more than one thread (with one thread no parallel region is ever opened)."""
-    return work <= _SMALL_ATTENTION and torch.get_num_threads() > 1
-
-
-def _broadcast_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """One query per head: q (b * kv, heads per kv group, d), k / v (b, kv, n, d) -> (b * kv, heads per group, d).
-
-    The query heads of a KV group are consecutive (as ``enable_gqa`` pairs them), so each group is a batch
-    with its heads as rows: no repeat of K/V. Broadcast products and sums instead of
-    ``scaled_dot_product_attention`` / ``bmm`` / ``softmax``: those CPU kernels open an OpenMP parallel
-    region whatever the size, and on a shared CPU one region can wait a whole scheduler time slice for its
-    second thread (milliseconds, against microseconds of arithmetic).
-    """
-    b, kv, n, d = k.shape
-    k = k.reshape(b * kv, 1, n, d)  # a view when the cache is contiguous
-    v = v.reshape(b * kv, n, d)
-    scores = (q.unsqueeze(2) * k).sum(-1).mul_(d**-0.5)  # (b * kv, heads per group, n)
-    # softmax; expm1 + 1 rather than exp, whose vectorised kernel is threaded from 128 elements up
-    p = torch.expm1(scores - scores.amax(-1, keepdim=True)).add_(1.0)
-    p = p.div_(p.sum(-1, keepdim=True))
-    return (p.unsqueeze(-1) * v.unsqueeze(1)).sum(2)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from model.cache import HybridCache, KVCache, MambaCache
+from model.decode.plan import decode_plan
 from model.masks import ModelMask
 
 Decode = Callable[[Sequence[int]], str]
@@ -206,9 +207,6 @@ def hit_stop_string(tokens: list[int], stop: tuple[str, ...], decode: Decode) ->
     return any(s in tail for s in stop)
 
 
-_hit_stop_string = hit_stop_string  # earlier private name, still imported elsewhere
-
-
 def ends_with_any(tokens: Sequence[int], sequences: Sequence[Sequence[int]]) -> bool:
     """Whether ``tokens`` ends with one of ``sequences`` (each a non-empty tuple of ids)."""
     n = len(tokens)
@@ -241,6 +239,7 @@ def _decode_group(
     length = (starts[0].state.length if cache is not None else 0) + ids.shape[1]
     res = model(ids, cache=cache, use_cache=True, mask=mask, logits_to_keep=1)
     cache, logits = res.cache, res.logits[:, -1]
+    plan = decode_plan(model) if mask is None else None  # the single-token steps, fast
     alive = list(range(b))  # original row of each live cache row
     while True:
         if params.temperature == 0:
@@ -268,7 +267,8 @@ def _decode_group(
             cache = cache.select(torch.tensor(keep_rows, device=logits.device))
             alive = [alive[j] for j in keep_rows]
             nxt = [nxt[j] for j in keep_rows]
-        res = model(torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1), cache=cache, mask=mask)
+        tok = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
+        res = plan(tok, cache) if plan is not None else model(tok, cache=cache, mask=mask)
         cache, logits = res.cache, res.logits[:, -1]
         length += 1
         if snapshot_ids:

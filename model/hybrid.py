@@ -7,6 +7,8 @@ checkpoints move between the two without renaming (see :mod:`model.checkpoint`).
 
 Every forward optionally takes a :class:`~model.masks.ModelMask`: the full model
 then computes the nested sub-model the masks describe (exactly, for hard masks).
+This is the reference computation; :mod:`model.decode` computes its cached single-token
+steps with fewer operators, from outside (this module does not import it).
 """
 
 from __future__ import annotations
@@ -16,14 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
 from model.cache import HybridCache, empty_cache
 from model.config import HybridConfig
-from model.fastops import linear, rms_norm_rows
 from model.mamba import Mamba2Mixer
 from model.masks import LayerMask, ModelMask, NormFraction, active_fraction
 from model.mlp import MLP
@@ -92,26 +92,6 @@ class Block(nn.Module):
             h = h * lm.keep.to(h.dtype)
         return x + h.to(x.dtype)
 
-    def decode_step(self, x: Tensor, cache: HybridCache, index: int) -> Tensor:
-        """One cached decode token of a float32 model without masks: x (batch, hidden) -> same.
-
-        :meth:`forward`'s computation with its mask and dtype branches left out (they are no-ops then);
-        the mixers' ``decode_step`` methods take their own lean paths. A layer whose cache is not
-        filled yet (a first token without prefill) takes :meth:`forward`.
-        """
-        modules = self._modules  # not self.norm / self.mixer: module attributes cost a failed lookup first
-        norm, mixer = modules["norm"], modules["mixer"]
-        h = rms_norm_rows(x, norm._parameters["weight"], norm.eps)
-        kind = self.kind
-        if kind == "moe" or kind == "mlp":
-            return mixer.decode_step(h, x)
-        layer_cache = cache.layers[index]
-        if layer_cache is None:
-            h, cache.layers[index] = mixer(h[:, None], None, True, None)
-            return x + h[:, 0]
-        h, cache.layers[index] = mixer.decode_step(h, layer_cache, x)
-        return h
-
 
 class Backbone(nn.Module):
     """Embeddings, blocks and the final norm (``model.`` in the nemotron_h state dict)."""
@@ -125,10 +105,6 @@ class Backbone(nn.Module):
 
 class HybridLM(nn.Module):
     """Causal LM. ``forward(input_ids)`` -> :class:`CausalLMOutput` with ``logits`` (batch, seq, vocab)."""
-
-    fast_decode: bool = True
-    """Take :meth:`_decode_step` for single-token cached steps without masks or autograd (False: always the
-    general path; the two compute the same function, the general one with many more operators)."""
 
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward (``torch.utils.checkpoint``, non-reentrant) instead
@@ -185,19 +161,9 @@ class HybridLM(nn.Module):
         return load_model(path, dtype=dtype)
 
     def save_pretrained(self, path: str | Path, **kwargs) -> Path:
-        """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`.
-
-        Raises ``TypeError`` for a parent re-laid out for serving (:mod:`model.nested_layout`): its Mamba
-        projections no longer hold the checkpoint's tensors.
-        """
+        """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`."""
         from model.checkpoint import save_model
-        from model.tiered_linear import TieredCols, TieredRows
 
-        if any(isinstance(m, (TieredRows, TieredCols)) for m in self.modules()):
-            raise TypeError(
-                "this model's Mamba projections were re-laid out for serving budgets (model.nested_layout); "
-                "save the checkpoint it was loaded from, or a model loaded from it without a nested registry"
-            )
         return save_model(self, path, **kwargs)
 
     # ------------------------------------------------------------------ forward
@@ -218,16 +184,6 @@ class HybridLM(nn.Module):
         ``skip_logits=True`` returns the final hidden states and no logits (for a loss that applies
         ``lm_head`` itself, chunk by chunk: :mod:`model.elastic.kd_chunked`).
         """
-        if (
-            cache is not None
-            and mask is None
-            and input_ids.shape[1] == 1
-            and self.fast_decode
-            and not skip_logits
-            and not torch.is_grad_enabled()
-            and self._modules["model"]._modules["embeddings"]._parameters["weight"].dtype == torch.float32
-        ):
-            return self._decode_step(input_ids, cache, return_hidden)
         if use_cache and cache is None:
             cache = empty_cache(len(self.model.layers))
         x = self.model.embeddings(input_ids)
@@ -251,27 +207,6 @@ class HybridLM(nn.Module):
             h = h[:, -logits_to_keep:]
         logits = None if skip_logits else self.lm_head(h)
         return CausalLMOutput(logits=logits, cache=cache, hidden=h if return_hidden or skip_logits else None)
-
-    def _decode_step(self, input_ids: Tensor, cache: HybridCache, return_hidden: bool) -> CausalLMOutput:
-        """One cached token of a float32 model without masks: input_ids (batch, 1) -> logits (batch, 1, vocab).
-
-        The general forward's function with far fewer operators (a batch-1 step is op-bound): the residual
-        stream stays (batch, hidden), and each block runs :meth:`Block.decode_step`.
-        """
-        backbone = self._modules["model"]
-        parts = backbone._modules
-        embeddings = parts["embeddings"]
-        if type(embeddings) is nn.Embedding and embeddings.padding_idx is None and embeddings.max_norm is None:
-            x = F.embedding(input_ids.view(-1), embeddings._parameters["weight"])  # (batch, hidden)
-        else:
-            x = embeddings(input_ids.view(-1))
-        for i, block in enumerate(parts["layers"]):
-            x = block.decode_step(x, cache, i)
-        cache.seen_tokens += 1
-        norm = parts["norm_f"]
-        h = rms_norm_rows(x, norm._parameters["weight"], norm.eps)
-        logits = linear(self._modules["lm_head"], h)[:, None]
-        return CausalLMOutput(logits=logits, cache=cache, hidden=h[:, None] if return_hidden else None)
 
     # ------------------------------------------------------------------ bookkeeping
     def num_parameters(self) -> int:

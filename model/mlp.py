@@ -5,17 +5,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.fastops import linear
-
 
 def relu2(x: Tensor) -> Tensor:
     """Squared ReLU."""
     return F.relu(x).square()
-
-
-def relu2_(x: Tensor) -> Tensor:
-    """Squared ReLU in place, for a fresh tensor autograd does not track (a decode step's GEMM output)."""
-    return x.relu_().square_()
 
 
 class MLP(nn.Module):
@@ -32,12 +25,3 @@ class MLP(nn.Module):
         if ffn_mask is not None:
             h = h * ffn_mask.to(h.dtype)
         return self.down_proj(h)
-
-    def decode_step(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-        """``forward(x)`` (+ ``residual``) without a mask, autograd off: x (rows, hidden) -> (rows, hidden).
-
-        The activation is squared in place (it is a fresh tensor) and the residual is added by the down
-        projection's GEMM.
-        """
-        modules = self._modules  # not self.up_proj: a module attribute costs a failed lookup first
-        return linear(modules["down_proj"], relu2_(linear(modules["up_proj"], x)), residual)

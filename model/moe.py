@@ -10,13 +10,12 @@ Experts run on the tokens routed to them, by one of three equivalent paths chose
 how many (token, expert) assignments there are and how large the experts are
 (:func:`expert_path`):
 
-* fewer assignments than experts (``T * k < E``, e.g. a batch-1 decode step) of experts too
-  large to read in full: a loop over the selected experts only, each a pair of GEMVs on views
-  of the stacked weights (no sort, no scatter, and only the selected experts' bytes are read);
+* fewer assignments than experts (``T * k < E``, e.g. one token) of experts too large to read
+  in full: only the selected experts run (no sort, and only their bytes are read);
 * otherwise, with little arithmetic wasted: every expert on every token, weighted by zero
-  where unselected (far fewer ops);
-* otherwise assignments are sorted by expert and each expert processes one contiguous
-  slice (a loop over experts, never over tokens).
+  where unselected (a handful of large ops);
+* otherwise :func:`expert_loop`: assignments sorted by expert, each expert on one contiguous
+  slice of its tokens (a loop over experts, never over tokens).
 
 A shared expert sees every token.
 """
@@ -31,22 +30,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import HybridConfig
-from model.mlp import MLP, relu2, relu2_
+from model.mlp import MLP, relu2
 
 RoutingObserver = Callable[[Tensor, Tensor, Tensor], None]
 """Called with (indices (T, k), weights (T, k), expert output L2 norms (T, k)) when set."""
 
-# Few tokens (decoding, short prompts): running every expert on every token is cheaper than grouping
-# tokens by expert, as long as the multiply-adds spent on unselected experts stay below this (~0.2 ms of
-# one CPU core). At hidden 128 with 8 experts of width 64, top-2, that is up to ~80 tokens; measured there
-# at 16 tokens 190 us dense vs 550 us grouped, equal near 128 tokens.
 _DENSE_MAX_WASTED_MACS = 1 << 22
+"""Multiply-adds spent on unselected experts up to which few tokens (decoding, short prompts) run every
+expert: below it, a few large ops cost less than grouping tokens by expert."""
 
-# Experts this small (E * F * H weights per projection, 256 KB in float32) cost less to read in full than
-# the host round trip and per-expert loop of the sparse path: at 2 tokens x top-2 of 8 experts of 64 x 128,
-# 181 us dense vs 559 us sparse. Larger experts with fewer assignments than experts take the sparse path,
-# which reads only the selected experts' bytes (at batch 1 on a large model that is what a step costs).
 _SMALL_EXPERTS = 1 << 16
+"""Weights per projection (E * F * H) up to which experts are cheaper to read in full than to select on
+the host and loop over, even with fewer assignments than experts."""
 
 ExpertPath = Literal["sparse", "dense", "grouped"]
 
@@ -95,13 +90,8 @@ class TopKRouter(nn.Module):
         selection score is -inf): with a 0/1 mask this is exactly the router of the sliced model,
         even where a kept expert's ``scores + bias`` is negative.
         """
-        w, bias = self.weight, self.e_score_correction_bias
-        if x.dtype == w.dtype == bias.dtype == torch.float32:  # no dtype round trips (a decode step is op-bound)
-            scores = torch.sigmoid(F.linear(x, w))
-            choice = scores + bias
-        else:
-            scores = torch.sigmoid(x.float() @ w.float().t())
-            choice = scores + bias.float()
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # 1.
+        choice = scores + self.e_score_correction_bias.float()  # 2.
         if expert_mask is not None:
             m = expert_mask.float()
             choice = torch.where(m > 0, m * choice, -torch.inf)
@@ -115,27 +105,50 @@ class TopKRouter(nn.Module):
             choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), -torch.inf)
         idx = choice.topk(self.top_k, dim=-1).indices
         w = scores.gather(1, idx)
-        if self.norm_topk_prob:
+        if self.norm_topk_prob:  # 3.
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling if self.scaling != 1.0 else w  # x * 1.0 == x: skip the op
+        return idx, w * self.scaling
 
-    def decode_mix(self, x: Tensor) -> Tensor:
-        """The routing of a decode step as a dense (T, E) matrix: the weights :meth:`forward` gives, placed at
-        the chosen experts' columns, zeros elsewhere (what :meth:`Experts._dense` builds from idx and weights).
 
-        For float32 rows, no expert mask and no grouped routing, autograd off; x: (T, hidden). The
-        renormalisation and scaling run in place on the gathered weights and the scatter writes straight
-        into the mix, so there are no temporaries and no dtype cast; the values equal :meth:`forward`'s up
-        to float rounding.
-        """
-        scores = torch.sigmoid(F.linear(x, self._parameters["weight"]))  # (T, E)
-        idx = torch.topk(scores + self._buffers["e_score_correction_bias"], self.top_k, sorted=False).indices
-        w = scores.gather(1, idx)
-        if self.norm_topk_prob:
-            w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
-        if self.scaling != 1.0:
-            w = w.mul_(self.scaling)
-        return torch.zeros_like(scores).scatter_(1, idx, w)
+def expert_loop(
+    x: Tensor,
+    idx: Tensor,
+    weights: Tensor,
+    num_experts: int,
+    expert: Callable[[Tensor, int], Tensor],
+    observer: RoutingObserver | None = None,
+    stacked: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> Tensor:
+    """``sum_j weights[:, j] * expert(x, idx[:, j])``, each expert run once on the tokens routed to it.
+
+    x: (T, hidden); idx, weights: (T, k); ``expert(rows, e)``: (n, hidden) -> (n, out) for expert ``e``.
+    Assignments are sorted by expert (stably), so expert ``e`` sees one contiguous slice of the gathered
+    tokens; its outputs are scaled by their routing weights and summed back per token (``index_add``).
+    ``stacked(rows, counts)`` replaces the loop with one call over every expert's slice at once (a grouped
+    GEMM; ``counts`` (E,) tokens per expert). ``observer`` gets (idx, weights, output norms (T, k)).
+    Returns (T, out).
+    """
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    token = order // k
+    rows = x[token]
+    if stacked is not None:
+        ys = stacked(rows, counts)
+    else:
+        pieces, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                pieces.append(expert(rows[start : start + n], e))
+                start += n
+        ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
+    if observer is not None:
+        norms = torch.empty(t * k, device=x.device, dtype=torch.float32)
+        norms[order] = ys.detach().float().norm(dim=-1)
+        observer(idx, weights.detach(), norms.view(t, k))
+    w = weights.reshape(-1)[order].to(ys.dtype)
+    return ys.new_zeros(t, ys.shape[-1]).index_add_(0, token, ys * w[:, None])
 
 
 class Experts(nn.Module):
@@ -166,88 +179,52 @@ class Experts(nn.Module):
             return self._dense(x, idx, weights, ffn_mask, observer)
         return self._grouped(x, idx, weights, ffn_mask, observer)
 
-    def _expert(self, x: Tensor, e: int, ffn_mask: Tensor | None) -> Tensor:
+    def expert(self, x: Tensor, e: int, ffn_mask: Tensor | None = None) -> Tensor:
         """Expert ``e`` on x: (n, hidden) -> (n, hidden). ``up_proj[e]`` / ``down_proj[e]`` are views (no copy,
         also for strided budget views of a wider parent)."""
-        params = self._parameters  # not self.up_proj: a module attribute costs a failed lookup first
-        act = relu2(F.linear(x, params["up_proj"][e]))
+        act = relu2(F.linear(x, self.up_proj[e]))
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
-        return F.linear(act, params["down_proj"][e])
+        return F.linear(act, self.down_proj[e])
 
     def _sparse(
         self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
     ) -> Tensor:
-        """Fewer assignments than experts: run only the selected experts (a loop over them).
+        """Fewer assignments than experts: run only the selected experts.
 
-        The routing is read on the host (``tolist``): a handful of numbers, and the loop needs them as
-        Python ints to take views of the selected experts' weights. The weights become Python floats,
-        which multiply float32 tensors exactly (a float32 value round-trips through a double).
+        One token reads its routing on the host (``tolist``, a handful of numbers) and adds each selected
+        expert's output, scaled, onto the sum; several go through :func:`expert_loop`, which skips the
+        experts no token chose.
         """
         t, k = idx.shape
-        ids = idx.tolist()
-        norms = torch.empty(t, k, device=x.device, dtype=torch.float32) if observer is not None else None
-        if t == 1 and not weights.requires_grad:  # a batch-1 decode step: no indexing, direct accumulation
-            ws = weights[0].tolist()
-            out = None
-            for j, e in enumerate(ids[0]):
-                y = self._expert(x, e, ffn_mask)
-                if norms is not None:
-                    norms[0, j] = y.detach().float().norm()
-                out = y * ws[j] if out is None else out.add_(y, alpha=ws[j])
-        else:
-            per_expert: dict[int, list[tuple[int, int]]] = {}
-            for ti, row in enumerate(ids):
-                for j, e in enumerate(row):
-                    per_expert.setdefault(e, []).append((ti, j))
-            out = x.new_zeros(t, x.shape[-1])
-            for e, pairs in per_expert.items():
-                tokens = torch.tensor([ti for ti, _ in pairs], device=x.device)
-                slots = torch.tensor([j for _, j in pairs], device=x.device)
-                y = self._expert(x[tokens], e, ffn_mask)
-                if norms is not None:
-                    norms[tokens, slots] = y.detach().float().norm(dim=-1)
-                out = out.index_add(0, tokens, y * weights[tokens, slots].to(y.dtype)[:, None])
+        if t != 1:
+            return expert_loop(x, idx, weights, self.num_experts, lambda r, e: self.expert(r, e, ffn_mask), observer)
+        ys = [self.expert(x, e, ffn_mask) for e in idx[0].tolist()]
         if observer is not None:
+            norms = torch.stack([y.detach().float().norm() for y in ys]).view(1, k)
             observer(idx, weights.detach(), norms)
+        out = ys[0] * weights[0, 0].to(ys[0].dtype)
+        for j in range(1, k):
+            out = out + ys[j] * weights[0, j].to(ys[j].dtype)
         return out
 
     def _grouped(
         self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
     ) -> Tensor:
-        """Each expert runs on the tokens routed to it (assignments sorted by expert, one slice each)."""
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        token = order // k
-        xs = x[token]
-        if _HAS_GROUPED_MM and x.device.type == "cpu":
-            # One grouped GEMM per projection: no loop over experts and no host copy of the counts
-            # (forward 2.1 vs 3.3 ms at 1024 tokens x top-2 of 8 experts; backward on par).
-            offs = counts.cumsum(0).to(torch.int32)
-            h = relu2(F.grouped_mm(xs, self.up_proj.transpose(1, 2), offs=offs))
-            if ffn_mask is not None:
-                h = h * ffn_mask.to(h.dtype)
-            ys = F.grouped_mm(h, self.down_proj.transpose(1, 2), offs=offs)
-        else:  # CUDA grouped GEMMs want bf16 on recent GPUs; a loop over expert slices works everywhere
-            pieces = []
-            start = 0
-            for e, n in enumerate(counts.tolist()):
-                if n == 0:
-                    continue
-                h = relu2(xs[start : start + n] @ self.up_proj[e].t())
+        """Each expert runs on the tokens routed to it (:func:`expert_loop`); on CPU, with torch's grouped
+        GEMM, one call per projection over every expert's slice (no loop, no host copy of the counts)."""
+        stacked = None
+        if _HAS_GROUPED_MM and x.device.type == "cpu":  # CUDA grouped GEMMs want bf16 on recent GPUs
+
+            def stacked(rows: Tensor, counts: Tensor) -> Tensor:
+                offs = counts.cumsum(0).to(torch.int32)
+                act = relu2(F.grouped_mm(rows, self.up_proj.transpose(1, 2), offs=offs))
                 if ffn_mask is not None:
-                    h = h * ffn_mask.to(h.dtype)
-                pieces.append(h @ self.down_proj[e].t())
-                start += n
-            ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
-        if observer is not None:
-            norms = torch.empty(t * k, device=x.device, dtype=torch.float32)
-            norms[order] = ys.detach().float().norm(dim=-1)
-            observer(idx, weights.detach(), norms.view(t, k))
-        w = weights.reshape(-1)[order].to(ys.dtype)
-        return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
+                    act = act * ffn_mask.to(act.dtype)
+                return F.grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs)
+
+        expert = lambda r, e: self.expert(r, e, ffn_mask)  # noqa: E731
+        return expert_loop(x, idx, weights, self.num_experts, expert, observer, stacked)
 
     def _dense(
         self,
@@ -261,39 +238,30 @@ class Experts(nn.Module):
 
         Same sum as :meth:`_grouped` (an unselected expert adds an exact 0) in a handful of large ops instead
         of sort + bincount + gather + a loop over experts + scatter. The routing weights scale the (T, E, F)
-        activations before the down projection, so the down projection sums over experts by itself: one
-        GEMM over the (E * F) inputs when the stacked ``down_proj`` is stored inputs-major, else a batched
-        matmul and a sum.
+        activations before the down projection, so the down projection sums over experts by itself
+        (:meth:`mix_down`).
         """
         t, k = idx.shape
-        down = self._parameters["down_proj"]
-        e = down.shape[0]
-        act = self._every_expert_up(x, relu2)
+        act = self.every_expert_up(x)
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
         if observer is not None:
-            ys = torch.bmm(act.transpose(0, 1), down.transpose(1, 2))  # (E, T, hidden): per-expert outputs
+            ys = torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2))  # (E, T, hidden): per expert
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
-        mix = weights.new_zeros(t, e).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
-        return self._mix_down(act, mix)
+        mix = weights.new_zeros(t, self.num_experts).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
+        return self.mix_down(act, mix)
 
-    def _every_expert_up(self, x: Tensor, activation: Callable[[Tensor], Tensor]) -> Tensor:
+    def every_expert_up(self, x: Tensor) -> Tensor:
         """Every expert's activated up projection of every token: x (T, hidden) -> (T, E, F), any layout."""
-        up = self._parameters["up_proj"]
+        up = self.up_proj
         e, f, h = up.shape
         if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
-            return activation(torch.mm(x, up.view(e * f, h).t())).view(x.shape[0], e, f)
+            return relu2(torch.mm(x, up.view(e * f, h).t())).view(x.shape[0], e, f)
         # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
-        return activation(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
+        return relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
 
-    def decode_dense(self, x: Tensor, mix: Tensor, residual: Tensor) -> Tensor:
-        """:meth:`_dense` for a decode step, autograd off: x (T, hidden), mix (T, E) from
-        :meth:`TopKRouter.decode_mix`, residual (T, hidden) added by the down projection -> (T, hidden).
-        The activation runs in place on the fresh GEMM output."""
-        return self._mix_down(self._every_expert_up(x, relu2_), mix, residual)
-
-    def _mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
+    def mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
         """Scale every expert's activations by its routing weight and project down, summing over experts.
 
         act: (T, E, F), any layout; mix: (T, E) routing weights (zero for unselected experts); residual:
@@ -303,7 +271,7 @@ class Experts(nn.Module):
         """
         t, e, f = act.shape
         act = act * mix.unsqueeze(-1)
-        down_t = self._parameters["down_proj"].transpose(1, 2)  # (E, F, hidden)
+        down_t = self.down_proj.transpose(1, 2)  # (E, F, hidden)
         if down_t.is_contiguous():
             flat = act.reshape(t, e * f)
             down = down_t.view(e * f, -1)
@@ -326,58 +294,6 @@ class MoE(nn.Module):
         )
         self.observer: RoutingObserver | None = None
 
-    def decode_step(self, x: Tensor, residual: Tensor) -> Tensor:
-        """``residual + forward(x)`` for a decode step without masks, autograd off: x (rows, hidden) -> same.
-
-        With fewer assignments than experts (a batch-1 step) the routing is finished on the host: the
-        selected experts' scores are renormalised in Python floats (double precision, then rounded once to
-        float32 where they scale an expert's output), and each selected expert's output is added, scaled,
-        onto the shared expert's output, itself added onto the residual by its GEMM. Otherwise, or with
-        grouped routing, an observer or non-float32 weights, this is :meth:`forward` plus the residual.
-        """
-        modules = self._modules  # not self.gate etc.: module attributes cost a failed lookup first
-        gate, experts, shared = modules["gate"], modules["experts"], modules.get("shared_experts")
-        k = gate.top_k
-        if (
-            k >= gate.num_experts
-            or gate.n_group > 1
-            or self.observer is not None
-            or not isinstance(experts, Experts)  # e.g. quantized experts: their own forward
-            or x.dtype != torch.float32
-        ):
-            return residual + self.forward(x)
-        if x.shape[0] != 1:
-            return self._decode_rows(x, residual, gate, experts, shared)
-        scores = torch.sigmoid(F.linear(x, gate._parameters["weight"]))  # (1, E), float32
-        idx = torch.topk(scores + gate._buffers["e_score_correction_bias"], k).indices
-        ids = idx.view(-1).tolist()
-        w = scores.view(-1).tolist()
-        w = [w[e] for e in ids]
-        if gate.norm_topk_prob:
-            total = sum(w) + 1e-20
-            w = [v / total for v in w]
-        w = [v * gate.scaling for v in w]
-        out = residual if shared is None else shared.decode_step(x, residual)
-        for e, we in zip(ids, w, strict=True):
-            y = experts._expert(x, e, None)
-            out = out.add_(y, alpha=we) if out is not residual else torch.add(out, y, alpha=we)
-        return out
-
-    def _decode_rows(
-        self, x: Tensor, residual: Tensor, gate: TopKRouter, experts: Experts, shared: MLP | None
-    ) -> Tensor:
-        """:meth:`decode_step` for several rows (T, hidden) -> (T, hidden).
-
-        The shared expert's output, itself on the residual, is the addend of the routed experts: on the
-        dense path it is added by their down-projection GEMM.
-        """
-        e, f, h = experts._parameters["up_proj"].shape
-        base = residual if shared is None else shared.decode_step(x, residual)
-        if expert_path(x.shape[0], gate.top_k, e, f, h) == "dense":
-            return experts.decode_dense(x, gate.decode_mix(x), base)
-        idx, w = gate(x)
-        return experts(x, idx, w).add_(base)
-
     def forward(
         self,
         hidden: Tensor,
@@ -385,6 +301,7 @@ class MoE(nn.Module):
         ffn_mask: Tensor | None = None,
         shared_ffn_mask: Tensor | None = None,
     ) -> Tensor:
+        """hidden: (..., hidden) -> same. Masks: ``expert_mask`` (E,), ``ffn_mask`` (F,), ``shared_ffn_mask``."""
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         idx, w = self.gate(x, expert_mask)

@@ -195,9 +195,6 @@ def resume_state(out: RowOutput, target: int) -> RowState | None:
     return None
 
 
-_kept, _resume_state = kept_thinking, resume_state  # earlier private names, still imported elsewhere
-
-
 def _layout(model: HybridLM) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
     """(kept parent layers, per layer (kind, expected conv/K shape, expected SSM/V shape)) of a model."""
     layers = []
@@ -370,7 +367,7 @@ def budget_control(
     allow_think_larger: bool = False,
     think_limit: int = DEFAULT_THINK_LIMIT,
 ) -> list[PhaseResult]:
-    """:func:`think_then_answer` by budget name on a :class:`~model.budget_view.BudgetRegistry`.
+    """:func:`think_then_answer` by budget name on a :class:`~model.decode.budget_view.BudgetRegistry`.
 
     ``think_budget == answer_budget`` is standard budget control; otherwise elastic. Raises
     ``ValueError`` naming the field for an unknown budget or a bad cap, and for a thinking budget

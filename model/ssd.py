@@ -40,7 +40,6 @@ __all__ = [
     "ssd_scan_chunked",
     "ssd_scan_reference",
     "ssd_step",
-    "ssd_step_inplace",
 ]
 
 
@@ -98,9 +97,14 @@ def _groups_to_heads(t: Tensor, nheads: int, dim: int) -> Tensor:
     return t.repeat_interleave(nheads // ngroups, dim=dim)
 
 
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``: itself when it already is (no operator call; a decode step is dispatch-bound)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 # exp() of float32 inputs below about -87.3 (results in the denormal range, or 0) takes a slow path on
-# x86 CPUs: ~100x the time of an ordinary input, measured on a whole (T, T) decay block. Decays that small
-# contribute nothing, so log-decays are clamped here first; each decay changes by less than 1.7e-38.
+# x86 CPUs, far slower than an ordinary input. Decays that small contribute nothing, so log-decays are
+# clamped here first; each decay changes by less than 1.7e-38.
 _LOG_DECAY_FLOOR = -87.0
 
 
@@ -122,8 +126,8 @@ def _decay_matrix_t(a: Tensor) -> Tensor:
 
     Why not ``cumsum(a)[l] - cumsum(a)[s]``: that difference of two large numbers loses precision on long
     chunks; summing only the masked entries avoids the cancellation. Transposed (source step first)
-    because a cumsum along the contiguous last axis is ~3x faster than along the one before it, and a
-    multiply by a boolean mask is ~6x faster than ``masked_fill``/``where`` (measured on 64x64 blocks).
+    because a cumsum along the contiguous last axis is faster than along the one before it, and a
+    multiply by a boolean mask is faster than ``masked_fill``/``where``.
     The clamp and the exp run in place on the cumsum result, which autograd does not keep.
     """
     T = a.shape[-1]
@@ -342,72 +346,43 @@ def ssd_step(
     B: Tensor,
     C: Tensor,
     D: Tensor | None = None,
+    inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Advance the recurrence by one token (decoding).
+    """Advance the recurrence by one token (decoding); the one step used by every decode path.
 
     Args:
-        state: ``(batch, nheads, headdim, dstate)``; not modified.
+        state: ``(batch, nheads, headdim, dstate)``; not modified unless ``inplace``.
         x: ``(batch, nheads, headdim)``.
         dt: ``(batch, nheads)``, positive.
         A: ``(nheads,)``, negative.
         B: ``(batch, ngroups, dstate)``.
         C: ``(batch, ngroups, dstate)``.
         D: optional ``(nheads,)``.
+        inplace: overwrite ``state`` with the new state (no state-sized allocation). Only for a
+            contiguous float32 (or wider) state that nothing else needs in its old value, with autograd
+            not recording.
 
     Returns:
-        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and a new ``state``
-        ``(batch, nheads, headdim, dstate)`` in ``state.dtype``.
+        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype`` (with
+        ``inplace``: ``state`` itself).
     """
     b, nheads, p, g, n = _check_step_inputs(state, x, dt, A, B, C, D)
-    # Heads of a group share B and C: work on (batch, group, head-in-group, ...) views instead of
-    # repeating B/C per head, and contract C with the heads of a group stacked as rows of one matmul.
-    hpg = nheads // g
-    xf = x.float()
-    dtg = dt.float().reshape(b, g, hpg)
-    decay = torch.exp(dtg * A.float().reshape(g, hpg))  # (b, g, hpg)
-    dBx = (dtg.unsqueeze(-1) * xf.reshape(b, g, hpg, p)).unsqueeze(-1) * B.float().reshape(b, g, 1, 1, n)
-    # Out-of-place on purpose: callers (e.g. speculative decoding) may need the previous state.
-    new_state = torch.addcmul(dBx, state.float().reshape(b, g, hpg, p, n), decay[..., None, None])
-    y = (new_state.reshape(b, g, hpg * p, n) @ C.float().reshape(b, g, n, 1)).reshape(b, nheads, p)
-    if D is not None:
-        y = torch.addcmul(y, xf, D.float()[:, None])
-    return y.to(x.dtype), new_state.reshape(b, nheads, p, n).to(state.dtype)
-
-
-def ssd_step_inplace(
-    state: Tensor,
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-) -> Tensor:
-    """:func:`ssd_step` that overwrites ``state`` with the new state instead of allocating one.
-
-    For decoding loops that own their state: the update is a scale and a rank-1 ``baddbmm_`` per
-    (batch, group), so no state-sized temporary is created. ``state`` must be a contiguous float32
-    tensor that nothing else needs in its old value, and autograd must not be recording.
-
-    Returns:
-        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype``.
-    """
-    b, nheads, p, g, n = _check_step_inputs(state, x, dt, A, B, C, D)
-    if state.dtype != torch.float32 or not state.is_contiguous():
+    f = torch.float64 if state.dtype == torch.float64 else torch.float32  # float32 at least
+    if inplace and (state.dtype != f or not state.is_contiguous()):
         raise ValueError(
-            f"state must be a contiguous float32 tensor, got {state.dtype} (contiguous={state.is_contiguous()})"
+            f"inplace needs a contiguous state of dtype {f}, got {state.dtype} (contiguous={state.is_contiguous()})"
         )
-    hpg = nheads // g
-    xf = x.float()
-    dtg = dt.float().reshape(b, g, hpg)
-    rows = state.view(b * g, hpg * p, n)  # the heads of a group stacked as rows
-    rows.view(b, g, hpg, p * n).mul_(torch.exp(dtg * A.float().reshape(g, hpg)).unsqueeze(-1))
-    dtx = (dtg.unsqueeze(-1) * xf.reshape(b, g, hpg, p)).reshape(b * g, hpg * p, 1)
-    rows.baddbmm_(dtx, B.float().reshape(b * g, 1, n))  # += dt * x (outer) B
-    y = torch.bmm(rows, C.float().reshape(b * g, n, 1)).reshape(b, nheads, p)
+    xf, dtf = _as(x, f), _as(dt, f)
+    decay = torch.exp(dtf * _as(A, f)).view(b, nheads, 1, 1)
+    new = state.mul_(decay) if inplace else (_as(state, f) * decay).contiguous()
+    # Heads of a group share B and C: the group's heads are the rows of one (hpg * headdim, dstate) block,
+    # updated by a broadcast multiply-add and read out by a dot product over dstate (no repeat of B / C).
+    rows = new.view(b, g, -1, n)
+    rows.addcmul_((dtf.view(b, nheads, 1) * xf).view(b, g, -1, 1), _as(B, f).view(b, g, 1, n))
+    y = torch.linalg.vecdot(rows, _as(C, f).view(b, g, 1, n)).view(b, nheads, p)
     if D is not None:
-        y = torch.addcmul(y, xf, D.float()[:, None])
-    return y.to(x.dtype)
+        y = y.addcmul_(xf, _as(D, f).view(nheads, 1))
+    return _as(y, x.dtype), new if inplace else _as(new, state.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

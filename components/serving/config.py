@@ -1,29 +1,11 @@
 """Configuration of the serving application: one typed, documented :class:`ServingConfig`.
 
-Design choices:
+Unknown keys are errors (``extra="forbid"``). The Ray Serve deployment options are derived from the
+same object (:meth:`ServingConfig.deployment_options`), so what the replica enforces and what Serve
+routes by cannot disagree. Backpressure is the replica's own: at most ``max_ongoing_requests``
+running, ``max_queued_requests`` waiting, then an OpenAI-shaped 503 with ``Retry-After``.
 
-* Every field that changes behaviour lives here, with a description, and unknown keys are
-  errors (``extra="forbid"``): a misspelt limit must not silently fall back to a default.
-* The Ray Serve deployment options (replica concurrency, the per-caller queue, autoscaling,
-  resources) are derived from the same object by :meth:`ServingConfig.deployment_options`, so the
-  values the replica enforces and the values Serve routes by cannot disagree. A declarative Serve
-  config (``serve deploy`` / a RayService ``serveConfigV2``) may still override the deployment
-  options; the request-level limits below stay with the application.
-* Backpressure is the replica's own, so that a client always gets an OpenAI-shaped JSON 503 with
-  ``Retry-After``: a replica works on at most ``max_ongoing_requests`` requests, holds at most
-  ``max_queued_requests`` more waiting for a slot, and answers any further one with a 503 at once.
-  Serve is told to send a replica more than that (:meth:`ServingConfig.serve_max_ongoing_requests`)
-  so overload reaches the replica instead of queueing at the HTTP proxy; the proxy's own queue
-  (``proxy_max_queued_requests``) only holds requests while no replica can take them (e.g. while
-  replicas start), and its 503 (plain text, Serve's) carries ``Retry-After`` too.
-  ``max_queued_requests = -1`` means unbounded queues and therefore no 503 at all.
-* The API key may come from the configuration or, when the configuration has none, from the
-  environment variable named by ``api_key_env`` (how a Kubernetes secret is usually injected).
-* ``resolve_checkpoint`` turns the model URI into a local folder with these settings (download
-  cache, tracking server, format).
-* ``format`` says which weights to serve: ``auto`` takes the checkpoint as it is (dense, or the
-  FP8/NVFP4 recorded in its ``quantization_config``); ``fp8`` / ``nvfp4`` demand that format and,
-  for a registry URI, take the registered version of that format (its ``<alias>-<format>`` sibling).
+Design notes (proxy queue, API key, formats): docs/serving.md ("Configuration and backpressure").
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ from components.data.tokenizer import ReasoningMarkers
 
 DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
 DEPLOYMENT_NAME = "StarElasticServer"
-"""Name of the Serve deployment (``components.kuberay`` overrides its options by this name)."""
+"""Name of the Serve deployment (a RayService's Serve config, ``pipelines.kuberay.serve``, names it)."""
 APP_NAME = "star-elastic"
 
 

@@ -1,28 +1,13 @@
 """Loading a checkpoint for serving: one weight copy, every budget a view of it, and what /v1/models says;
 and the check of a local checkpoint that ``star-elastic serve`` runs before Ray starts.
 
-The checkpoint folder is read ONCE; every budget is a :class:`~model.budget_view.BudgetModel` of a
-:class:`~model.budget_view.BudgetRegistry`, i.e. views of the parent's tensors (or, for FP8/NVFP4
-weights, which cannot be viewed as dense slices, the parent's own quantized modules under the
-budget's hard mask). Serving every budget therefore costs about the memory of serving the full one.
+The folder is read ONCE; every budget is a :class:`~model.decode.budget_view.BudgetModel` of a
+:class:`~model.decode.budget_view.BudgetRegistry` (views of the parent's tensors, or for FP8/NVFP4
+the parent's quantized modules under the budget's hard mask), so serving every budget costs about
+the memory of the full one. :func:`check_checkpoint` / :func:`preflight` find everything a replica
+would trip over from the safetensors headers and the manifest, and report it as one line.
 
-Design choices for :func:`check_checkpoint` / :func:`preflight`:
-
-* Everything a replica would trip over is found before Ray starts, and reported as ONE line
-  (:class:`~model.checkpoint.CheckpointError`, which the CLI prints as ``star-elastic: error: ...``):
-  a missing or invalid ``config.json``, files that fail their SHA-256 in ``manifest.json`` (flipped
-  bytes, a truncated file), safetensors files whose header does not cover the file (truncated),
-  missing, unexpected or mis-shaped tensors, a wrong quantized dtype, a malformed ``elastic``
-  section, budgets or a format the serving config asks for that the checkpoint lacks, a tokenizer
-  that does not load or does not fit the embedding.
-* Tensors are checked from the safetensors headers (names, shapes, dtypes) against the model the
-  config builds on the ``meta`` device, with the rules of :func:`model.checkpoint.load_model`
-  (``backbone.`` / ``model.`` keys, per-expert or stacked experts, ``mtp.*`` skipped, tied
-  embeddings): no weight is loaded twice. The manifest check does read every byte (that is what
-  finds flipped bytes).
-* A checkpoint without ``manifest.json`` (e.g. written by transformers) loads, with a one-line
-  warning that it has no integrity check, here and in the replica's log.
-* Remote URIs (``s3://``, ``models:/``) are downloaded by the replica; they are checked there.
+Design notes (what the check covers): docs/serving.md ("Loading and the pre-flight check").
 """
 
 from __future__ import annotations
@@ -38,8 +23,8 @@ import torch
 
 from components.data.tokenizer import TextTokenizer
 from components.serving.config import ServingConfig, load_config
-from model.budget_view import BudgetRegistry
 from model.checkpoint import MANIFEST_NAME, CheckpointError
+from model.decode.budget_view import BudgetRegistry
 from model.elastic.arch import Architecture
 from model.phases import PhaseTokens
 
@@ -121,7 +106,7 @@ class LoadedModel:
             if unknown:
                 raise ValueError(f"budgets {unknown} are not in the checkpoint; it has {sorted(archs)}")
             archs = {n: a for n, a in archs.items() if n in config.budgets}
-        registry = BudgetRegistry(full, archs, order, nested=True)  # one weight copy, laid out for budgets
+        registry = BudgetRegistry(full, archs, order)  # one weight copy, every budget a view of it
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)

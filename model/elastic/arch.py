@@ -1,23 +1,12 @@
 """One sub-model of the elastic family: an :class:`Architecture`, and its per-layer resolution.
 
-Design choices:
+``None`` on an axis means "full size", so ``Architecture()`` is the parent. Head axes hold TOTAL
+heads; per-layer overrides are keyed by the ORIGINAL layer index; depth is a count of kept layers,
+which layers go coming from a ranked ``depth_order`` (default: the last layers first).
+:meth:`Architecture.resolve` gives the concrete per-layer sizes (:class:`ResolvedArch`), the single
+input of mask building, slicing and counting.
 
-* ``None`` on an axis means "full size", so ``Architecture()`` is the parent and a budget's
-  architecture only names what it shrinks (``{"hidden": 192, "experts": 6}``), exactly as it is
-  stored next to the checkpoint.
-* Head axes hold TOTAL heads (as in the config files); the same number is kept inside every group.
-* Per-layer choices are overrides keyed by the ORIGINAL layer index (0 .. n_layers-1 of the
-  parent), so they stay meaningful whatever depth is chosen. An override on a layer that depth
-  drops is allowed and has no effect.
-* Depth is a count of kept layers. Which layers go is not part of the architecture: it comes from
-  a ranked ``depth_order`` (layer indices, first dropped first) passed to :meth:`resolve`, to mask
-  building and to extraction. With ``depth=d`` the first ``n_layers - d`` entries of the order are
-  dropped. Without an order, layers are dropped from the LAST layer backwards, i.e. the order is
-  ``[n-1, n-2, ..., 0]`` (the deepest layers usually matter least once no ranking is available).
-  A partial order is accepted; layers not listed in it are never dropped.
-* :meth:`Architecture.resolve` turns the sparse description into concrete sizes for every layer
-  (:class:`ResolvedArch`), which is the single input of mask building, slicing and counting, so
-  those three can never disagree about what an architecture means.
+Design notes: docs/elastic.md ("Architectures").
 """
 
 from __future__ import annotations

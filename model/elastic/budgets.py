@@ -1,31 +1,12 @@
 """The trained budgets of a nested family, and their encoding as router inputs.
 
-Design choices:
+A budget states a target fraction of the parent's TOTAL parameters, of its ACTIVE parameters, or both
+(MoE models need both); the full budget is the parent (every target 1.0). :class:`BudgetSet` is
+sorted descending, so index 0 is the full model. A key between two trained budgets encodes as the
+interpolation of their one-hots; keys outside the trained range are refused.
+:meth:`BudgetSet.check_reachable` rejects early what cannot train.
 
-* A budget states a target fraction of the parent's TOTAL parameters (what the model weighs in
-  memory), of its ACTIVE parameters (what a token touches; see :mod:`model.elastic.params`), or
-  both, as the published family does (30B / 23B / 12B total with 3.6B / 2.8B / 2.0B active).
-  Mixture-of-experts models need both: the expert count changes the total a great deal and the
-  active count hardly at all, so an active target alone leaves the expert count to chance. The
-  budget loss has one term per stated target. ``fraction`` (the older single field) is read as
-  the active target.
-* The full budget is the parent: every target it states must be 1.0, and it is stored stating
-  both (1.0, 1.0) whatever was written.
-* :class:`BudgetSet` is sorted descending on validation, whatever order the user wrote, so index 0
-  is always the full model and the router's one-hot input has one fixed meaning. The order, and
-  the number a budget is addressed by in :meth:`BudgetSet.encode` (its *key*, ``fractions``), is
-  the active target when every budget states one, else the total target (then every budget must
-  state one). Keys are unique, and no smaller budget may state a larger target of either kind.
-* A key between two trained budgets encodes as the linear interpolation of their one-hots
-  (weights proportional to closeness). Keys outside the trained range are refused rather than
-  extrapolated: the router never saw such inputs, and a clamped answer would silently give a
-  model of a different size than asked for.
-* :meth:`BudgetSet.check_reachable` is a cheap, early guard against configurations that cannot
-  train: the smallest architecture of the space (every axis at its smallest candidate) must come
-  within the budget loss's dead zone of every stated target (parameter counts are monotone in
-  every axis, so that architecture is the minimum over the whole space); and when the space has
-  few enough global architectures to list, at least one of them must meet all of a budget's
-  targets at once (a total and an active target can contradict each other).
+Design notes (keys, ordering, reachability): docs/elastic.md ("Budgets").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Masks that make the full model compute a sub-model: hard (one architecture) and soft (router mixture).
 
-Design choices:
+A hard mask comes from :meth:`Architecture.resolve` (axes at full size get ``None``: no multiply).
+Head masks keep the first k heads inside every group (:func:`grouped_prefix_mask`). A soft mask is
+``p @ M`` with ``M`` the (n_choices, size) matrix of candidate prefix masks, differentiable in ``p``;
+per-layer probabilities are (n_layers_of_that_kind, n_choices).
 
-* A hard mask is built from :meth:`Architecture.resolve`, the same per-layer sizes slicing and
-  parameter counting use. Axes at full size get ``None`` (the model then skips the multiply), so
-  the full architecture's mask costs nothing.
-* Head masks keep the first k heads inside every group. Mamba heads are group-major over the
-  B/C groups; attention query heads are KV-group-major (query head h reads KV head
-  ``h // (num_heads // num_kv_heads)``), so both use :func:`grouped_prefix_mask`.
-* A soft mask is the mixture ``sum_k p_k * prefix_mask_k`` over an axis's candidate list,
-  written as ``p @ M`` with ``M`` the (n_choices, size) matrix of candidate prefix masks, so it is
-  differentiable in ``p`` and a one-hot ``p`` reproduces the hard mask exactly. Per-layer
-  probabilities are (n_layers_of_that_kind, n_choices), rows in the parent's layer order.
-* Depth: layer i survives depth d when its position in the depth order is at least
-  ``n_layers - d``; its soft keep gate is the total probability of the depth candidates that keep it.
-* An axis missing from ``probs`` (or not elastic in the space) is left full (mask ``None``).
+Design notes (depth gates): docs/elastic.md ("Masks").
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
 """Depth importance: how much the logits move when whole layers are removed, ranked greedily.
 
-For a set R of removed layers, the damage on one batch is the normalised MSE of the logits
+The damage of removing the layer set R is ``d(R) = ||z - z_R||^2 / ||z||^2`` (``z`` the untouched
+parent's logits, ``z_R`` those with R skipped through ``LayerMask(keep=0)``), averaged over the
+calibration batches. Greedy: remove the layer with the smallest ``d(R + {j})``, re-score, repeat;
+the depth ranking is the removal order read backwards. ``L (L + 1) / 2`` forwards per batch, in one
+process (not additive).
 
-    d(R) = ||z - z_R||^2 / ||z||^2
-
-where ``z`` are the full parent's logits and ``z_R`` the logits with every layer of R skipped
-(``LayerMask(keep=0)``: the block's residual update is multiplied by zero, which is exactly the
-model without that layer). ``d`` is averaged over the calibration batches.
-
-Greedy order: start with R empty; score every remaining layer j by d(R + {j}); remove the one with
-the smallest damage; repeat until every layer is removed. The removal order is the depth ranking
-read backwards: the last layer to go is the most important. Re-scoring after each removal matters
-because layers compensate for one another (removing two adjacent layers can hurt far more than the
-sum of removing each).
-
-Design choices:
-
-* The reference is always the untouched parent (not the model with R already removed), so the
-  score at step t is the damage of the whole sub-model a depth budget of ``L - t`` layers would get.
-* The full logits of every batch are computed once and kept (on the model's device). That costs
-  batch * seq * vocab floats per batch, which is small for calibration-sized data and halves the
-  number of forward passes. The greedy loop needs ``L (L + 1) / 2`` forwards per batch.
-* Depth is not additive across processes (each greedy step needs the global decision of the step
-  before), so it runs in one process on the batches it is given.
+Design notes: docs/elastic.md ("Depth importance").
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Component importance from calibration activations, and the rankings it produces.
 
-Aggregation rule (METHOD section 4): for every hooked activation ``a`` of shape
-(batch, seq, channels) accumulate ``acc += (|a|.mean(seq))^2 .sum(batch)``; the score is
-``sqrt(acc)``. What is hooked, per axis:
+For every hooked activation ``a`` of shape (batch, seq, channels): ``acc += (|a|.mean(seq))^2
+.sum(batch)``, score ``sqrt(acc)`` (METHOD section 4). :class:`ImportanceAccumulator` holds only
+additive float64 sums, so calibration splits over batches, processes or Ray tasks and merges by
+addition. Scores are kept per ORIGINAL component index; a ranking's ``order`` maps storage position
+-> original index, most important first. Depth is optional (:mod:`model.elastic.depth`).
 
-==============  ===========================================================================
-hidden          output of every block's pre-mixer norm; the per-layer scores are summed
-mamba_heads     x part of ``in_proj``'s output (rows d_inner..2*d_inner of [z|x|B|C|dt]);
-                (heads, head_dim) -> L2 over head_dim; sorted inside each B/C group
-attn_heads      input of ``o_proj``; (heads, head_dim) -> L2 over head_dim; sorted inside
-                each KV group (query heads are KV-group-major)
-mlp_ffn         input of a dense MLP's ``down_proj`` (post-activation)
-shared_ffn      input of the shared expert's ``down_proj``
-moe_ffn         post-activation channels of every routed expert, one ranking per expert
-experts         REAP score (see :mod:`model.elastic.reap`), routing frequency kept alongside
-==============  ===========================================================================
-
-Design choices:
-
-* :class:`ImportanceAccumulator` holds only additive float64 sums (activation statistics, REAP
-  sums, token counts). Calibration can therefore be split over batches, processes or Ray tasks
-  and the parts merged by addition; square roots and means are taken at the very end.
-* Scores are kept per ORIGINAL component index; a ranking's ``order`` maps storage position ->
-  original index (most important first). Applying the rankings (:mod:`model.elastic.permute`)
-  makes ``order`` the storage order; the scores of the permuted model are ``scores[order]``.
-* Per-layer rankings are kept for every layer even though the elastic prefix is the same
-  everywhere: each layer's storage order is its own, so every layer's prefix holds its own best.
-* Depth is optional (``depth=True``) and costs O(L^2) forwards; see :mod:`model.elastic.depth`.
+What is hooked per axis, and design notes: docs/elastic.md ("Importance and rankings").
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
 """The KD loss computed from hidden states chunk by chunk: no (tokens x vocabulary) tensor in float32.
 
-:func:`~model.elastic.losses.kd_loss` is the reference: it takes full (batch, seq, vocab) logits and
-builds several float32 copies of them (log-softmaxes, teacher probabilities, their product). At 49k
-tokens and a 131k vocabulary one such tensor is 25.8 GB. :func:`chunked_kd_loss` computes the same
-function from the student's final hidden states and the ``lm_head`` weight, ``chunk_size`` token rows
-at a time, so the largest float32 temporaries are (chunk_size, vocab).
+:func:`chunked_kd_loss` computes :func:`~model.elastic.losses.kd_loss` (the reference, on full
+(batch, seq, vocab) logits) from the student's final hidden states (N, hidden) and the ``lm_head``
+weight (vocab, hidden), ``chunk_size`` token rows at a time, so the largest float32 temporaries are
+(chunk_size, vocab). The gradient is computed in the forward pass (fused linear + loss): nothing of
+size (N, vocab) is kept for the backward. Only the token axis is chunked.
 
-Design choices:
-
-* Same function, same numbers. Per chunk of rows the code evaluates the reference's expression
-  (``where(p_t > 0, p_t * (log_t - log_s), 0).sum(-1)``) on the chunk's logits, computed by the same
-  ``F.linear`` in the hidden states' dtype and then cast to float32, exactly as ``lm_head`` followed
-  by ``kd_loss`` does. The per-token KL values (N floats) are kept and reduced at the end by the
-  reference's own masked mean, so the value matches the reference to float rounding of the GEMM.
-* The gradient is computed during the forward pass, chunk by chunk (the fused linear + loss approach):
-  for row n with weight ``w_n`` (1/N, or mask_n / sum(mask)) the gradient of the loss with respect
-  to the float32 logits is ``w_n * (softmax(s) * sum_v p_t - p_t)`` (autograd's log-softmax backward
-  of ``-w_n p_t``, where terms with ``p_t == 0`` give 0), cast to the logits' dtype, and then
-  ``grad_h = grad_s @ W`` and ``grad_W += grad_s^T @ h``. Nothing of size (N, vocab) is saved for
-  the backward: it only scales the stored ``grad_h`` (N, hidden) and ``grad_W`` (vocab, hidden) by
-  the incoming gradient. A rematerialising backward would run the lm_head GEMM a third time and
-  needs the weight again in the backward, which a ZeRO-3 engine has re-partitioned by then.
-* ``grad_W`` accumulates over chunks in float32 and is cast to the weight's dtype once at the end,
-  so a bf16 weight gets the same rounding as the reference's single GEMM (which accumulates in
-  float32 internally too).
-* The teacher comes either as logits (any dtype, (..., vocab)) or, to avoid even its bf16 logits at
-  long context, as hidden states plus its ``lm_head`` weight: its logits are then computed per chunk,
-  without gradient.
-* Only the token axis is chunked. The vocabulary axis would need an online (two-pass) softmax; with
-  ``chunk_size`` rows the float32 working set is about 5 x chunk_size x vocab x 4 bytes (about 2.7 GB
-  at 1024 rows of a 131k vocabulary), which a smaller ``chunk_size`` lowers as far as needed.
+Design notes (same numbers as the reference, the gradient, the teacher's inputs, memory):
+docs/elastic.md ("The chunked KD loss").
 """
 
 from __future__ import annotations

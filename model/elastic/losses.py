@@ -1,26 +1,11 @@
 """Training losses of elastic distillation: token-level KD and the router's budget loss.
 
-Design choices:
+``kd_loss`` is the forward ``KL(teacher || student)`` at temperature 1, log-softmaxes in float32,
+mean over the masked tokens. ``budget_loss`` plugs the router's expected sizes into the analytic
+parameter counts and penalises ``|N / (b * N_full) - 1|`` per stated target, zero inside the dead
+zone; the full budget has no dead zone and a pinning term towards the largest candidates.
 
-* ``kd_loss`` is the forward KL ``KL(teacher || student)`` at temperature 1, the method's only
-  data loss (no plain LM loss). Both log-softmaxes run in float32 whatever the logits' dtype: the
-  KL is a small difference of large terms over a big vocabulary, and bf16 log-probabilities lose
-  it. Terms where the teacher's probability is exactly 0 contribute 0 (the ``0 * log 0`` limit).
-  The mean runs over the masked tokens only, so padding and prompt tokens neither add loss nor
-  dilute it; an all-zero mask gives a zero loss that still carries a graph.
-* ``budget_loss`` plugs the router's expected sizes ``E[k] = p . choices`` into the analytic
-  parameter counts, ``N(E[config])`` (:func:`~model.elastic.params.expected_params`), and
-  penalises ``|N / (b * N_full) - 1|`` once per target the budget states: on the TOTAL count for
-  a total target, on the ACTIVE count for an active target, summed. Inside the dead zone
-  (``< dead_zone``) a term and its gradient are exactly 0, as the method specifies: budgets only
-  need to land within it, and KD alone then decides the architecture.
-* The full budget must become the parent itself. Its terms have no dead zone (as in the
-  reference implementation: any deviation from the parent's size is penalised), and it also
-  gets ``pin_weight * sum_axes MSE(p_axis, onehot(largest))``, which keeps pulling once the
-  counts are met. For per-layer probabilities the MSE is the mean over all rows and choices, so
-  a per-layer axis weighs as much as a global one.
-* Counts run in float64 (exact integers up to 2**53); the returned loss has the probabilities'
-  dtype so it adds to the KD loss without promoting it.
+Design notes: docs/elastic.md ("Losses").
 """
 
 from __future__ import annotations

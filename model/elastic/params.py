@@ -1,24 +1,12 @@
 """Analytic parameter counts of sub-models: exact integers, and a differentiable expectation.
 
-Conventions (they decide what "active" means in every budget report):
+``total`` is every trainable parameter of the extracted model; ``active`` what one token touches
+(everything outside the routed experts, the router, the shared expert and top-k routed experts).
+The embedding and ``lm_head`` count in full towards both, the convention of the parent's published
+figures. One set of formulas runs on Python ints (:func:`count_params`, exact) and on float64
+tensors (:func:`expected_params`, ``N(E[config])``, differentiable).
 
-* ``total`` counts every trainable parameter of the extracted model, i.e. exactly
-  ``extract(model, arch).num_parameters()``. The MoE ``e_score_correction_bias`` is a buffer
-  (as in transformers' ``NemotronHForCausalLM``) and is not counted.
-* ``active`` counts the parameters one token touches: everything outside the routed experts
-  (embeddings, norms, Mamba, attention, dense MLPs), the router, the shared expert and
-  ``num_experts_per_tok`` routed experts per MoE layer. Dropping experts shrinks the router (and
-  the total) but not the number of experts a token visits, which stays top-k.
-* The input embedding and the untied ``lm_head`` count IN FULL towards both figures. That is the
-  convention of the reported figures for the parent (Nemotron Nano v3: ~31.6B total, ~3.6B
-  active; without the two vocab matrices "active" would read ~2.9B), so budgets expressed as a
-  fraction of the parent's active count compare with the published ones.
-
-One set of formulas serves both functions: its arithmetic runs on Python ints for
-:func:`count_params` (exact at any scale) and on float64 tensors for :func:`expected_params`
-(float64 holds integers exactly up to 2**53, so integer expectations reproduce the exact count,
-and gradients flow to the expected sizes). The expectation plugs expected sizes into the count,
-``N(E[config])``, as the budget loss prescribes; it is not ``E[N(config)]``.
+Design notes (the conventions in full): docs/elastic.md ("Parameter counts").
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ Num = TypeVar("Num", int, Tensor)
 
 
 class ParamCount(NamedTuple):
-    """Total and per-token active parameter counts (see the module docstring for the conventions)."""
+    """Total and per-token active parameter counts (conventions: docs/elastic.md, "Parameter counts")."""
 
     total: int
     active: int

@@ -1,36 +1,11 @@
 """Permute a parent's weights so that ranked components are stored most important first.
 
 Every permutation is applied to every tensor that shares the permuted dimension, so the permuted
-model computes exactly what the original did (up to float summation order):
+model computes what the original did (up to float summation order). In place, inside the existing
+``Parameter`` / buffer objects; grouped orders (Mamba heads in B/C groups, query heads in KV groups,
+experts in routing groups) are checked, not trusted. Depth is never a permutation.
 
-=============  ==================================================================================
-hidden         embedding columns; every RMSNorm (pre-mixer norms, norm_f); input-projection
-               columns (Mamba in_proj, q/k/v, dense/shared up_proj, experts up_proj (E,F,H)
-               dim 2, router weight columns, lm_head); output-projection rows and biases
-               (Mamba out_proj, o_proj, dense/shared down_proj, experts down_proj (E,H,F) dim 1)
-mamba_heads    per head: in_proj rows of z and x, dt rows, conv1d channels (weight and bias) of
-               the x part, A_log, D, dt_bias, gated-norm weight, out_proj columns; B and C are
-               per group and untouched (heads never leave their group)
-attn_heads     q_proj rows and o_proj columns per query head (heads never leave their KV group;
-               k/v are untouched)
-mlp_ffn        dense MLP up_proj rows (and bias), down_proj columns
-shared_ffn     shared expert up_proj rows (and bias), down_proj columns
-moe_ffn        per routed expert e: experts.up_proj[e] rows, experts.down_proj[e] columns
-experts        router weight rows, e_score_correction_bias, experts up/down dim 0
-=============  ==================================================================================
-
-Design choices:
-
-* In place: tensors are rewritten inside their existing ``Parameter`` / buffer objects (so an
-  optimizer or a DeepSpeed engine holding them is not left pointing at stale tensors), and the
-  function returns the same model. Deep-copy first to keep the original.
-* Grouped orders are checked, not trusted: an order that moves a Mamba head to another B/C group,
-  a query head to another KV group, or an expert to another routing group would silently change
-  the function, so it raises.
-* Per-expert FFN orders are indexed by the ORIGINAL expert index; they are applied before the
-  expert permutation, so both orders in :class:`~model.elastic.importance.Rankings` can be written
-  against the unpermuted parent.
-* Depth is never a permutation: layers stay where they are and the depth order is metadata.
+Which tensors each axis permutes, and design notes: docs/elastic.md ("Permutation").
 """
 
 from __future__ import annotations

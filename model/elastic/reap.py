@@ -1,34 +1,11 @@
 """Expert statistics of MoE layers: REAP scores, routing frequency, and per-expert FFN activations.
 
-REAP (router-weighted expert activation pruning) scores expert ``j`` of a layer by
+REAP scores expert ``j`` by ``S_j = mean over tokens routed to j of g_j(x) * ||f_j(x)||_2`` (``g_j``
+the renormalised top-k gate weight); the routing frequency and ``reap_sum`` (REAP x frequency) are
+kept next to it. Everything is gathered through :attr:`model.moe.MoE.observer` plus a pre-hook on
+the MoE input, so the MoE forward is untouched; statistics are additive sums, merged by addition.
 
-    S_j = mean over tokens routed to j of  g_j(x) * ||f_j(x)||_2
-
-with ``g_j`` the token's renormalised top-k gate weight and ``f_j(x)`` the expert's output. The
-routing frequency (how many tokens picked ``j``) is kept next to it as the naive baseline, and
-``reap_sum`` (REAP x frequency: the expert's total router-weighted output over all tokens) as a
-third choice. REAP is a mean over the tokens an expert sees, so it ignores how often the expert
-is picked; that is harmless when a load-balanced router keeps frequencies similar, but in a
-model whose routing is very uneven the frequency (or ``reap_sum``) can predict the damage of
-dropping an expert better (see ``benchmarks/RESULTS.md``).
-
-Design choices:
-
-* Everything is gathered through :attr:`model.moe.MoE.observer` (indices, weights and expert
-  output norms, which the expert loop already computes) plus a forward pre-hook on the MoE that
-  remembers its input. No change to the MoE forward is needed, so the hot path stays untouched.
-* The gate weights handed to the observer include ``routed_scaling_factor``; it is divided out so
-  ``g_j`` is the renormalised top-k weight of the method. A constant factor would not change the
-  ranking, but the scores then read the same across checkpoints with different factors.
-* Statistics are stored as additive sums (``sum g*||f||`` and token counts), never as means, so
-  calibration split over processes merges by addition; the mean is taken only in
-  :meth:`ImportanceAccumulator.scores <model.elastic.importance.ImportanceAccumulator.scores>`.
-* Per-expert FFN importance needs the post-activation channels of every expert on the tokens
-  routed to it. Rather than hooking inside the expert loop, the observer recomputes
-  ``relu2(x_routed @ up_proj[e].T)`` from the remembered input: it costs one extra up projection
-  per expert during calibration only. The activation is treated as zero on tokens not routed to
-  the expert (the expert contributes nothing there), so the usual rule
-  ``(|a|.mean(seq))^2 .sum(batch)`` applies with ``seq`` the full sequence length.
+Design notes (when frequency beats REAP, per-expert FFN importance): docs/elastic.md ("Expert statistics (REAP)").
 """
 
 from __future__ import annotations

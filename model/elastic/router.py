@@ -1,38 +1,13 @@
 """The budget router: budget one-hot in, a distribution over candidate sizes per elastic axis out.
 
-Design choices:
+One small bias-free MLP per elastic axis, ``Linear(n_budgets -> hidden) -> LeakyReLU(0.1) ->
+Linear(hidden -> n_choices)`` (``n_choices * n_layers_of_kind`` outputs for per-layer choices).
+Samples are Gumbel-softmax, ``softmax((scale_t * logits + G) / tau_t)``, with a schedule on a global
+step spanning both distillation phases, an occasional straight-through hard sample, and all
+randomness from one explicit ``torch.Generator``. The initialisation puts the full budget near the
+largest candidate and spreads the smaller ones by rank.
 
-* One small bias-free MLP per elastic axis, ``Linear(n_budgets -> hidden) -> LeakyReLU(0.1) ->
-  Linear(hidden -> n_choices)`` (``n_choices * n_layers_of_kind`` outputs when choices are per
-  layer), as the method prescribes. Axes whose layer kind does not occur in the model (e.g.
-  ``mlp_ffn`` without dense layers) get no head: they change nothing.
-* Sampling is ``softmax((scale_t * logits + G) / tau_t)`` with Gumbel noise ``G``: a relaxed
-  categorical whose temperature anneals geometrically (``tau_start -> tau_end``) while the logit
-  scale ramps linearly (``scale_start -> scale_end``), so samples go from soft mixtures to nearly
-  one-hot. All randomness (the Gumbel noise and the rare hard-sample coin) comes from one explicit
-  ``torch.Generator`` (a CPU one by default). Without a generator argument it is seeded from
-  ``(RouterConfig.seed, step)``; the trainer passes its own (one per rank and micro-batch).
-* The schedule runs on a GLOBAL step that spans both distillation phases: ``t`` is
-  ``step_offset + step`` over ``schedule_steps`` (:meth:`RouterConfig.schedule_at`), and phase 2
-  starts at the offset where phase 1 ended, so it continues the anneal instead of reopening it
-  (at tau ~1 it could move away from the architecture phase 1 settled on). Both numbers are
-  fields of the router config, which every distillation output records.
-* With probability ``hard_sample_prob`` a step uses a hard one-hot sample (argmax of the relaxed
-  sample) with a straight-through gradient: ``onehot - y.detach() + y``. The forward pass then
-  runs one exact architecture, while the router still receives the soft gradient.
-* Initialisation (deterministic from the seed). The first ``n_budgets`` hidden units are an
-  identity read-out of the input, so budget i's logits start as the i-th column of a chosen
-  prior table; the other hidden units are random with tiny output weights (small noise that lets
-  every unit learn). The prior table puts the FULL budget near the largest candidate (softmax 0.9
-  on candidate 0 at scale 1) because its architecture must end up being the parent, and the
-  pinning loss then has little to undo. SMALLER budgets start spread out: high entropy (a mild
-  preference of 2:1) with the preferred candidate placed by rank: budget j of n (0 = full)
-  leans to candidate ``round(j / (n - 1) * (n_choices - 1))``, so the smallest budget leans to
-  the smallest candidate. Nothing is committed early, and budgets start apart so their gradients
-  do not have to break a symmetry. Because the identity part is non-negative, LeakyReLU is
-  linear on it: an interpolated budget input starts with interpolated logits.
-* The argmax architecture uses the raw logits: neither the scale nor the temperature changes an
-  argmax, and no noise is drawn, so exporting is deterministic.
+Design notes (schedule, initialisation, prior table): docs/elastic.md ("The budget router").
 """
 
 from __future__ import annotations
@@ -179,7 +154,7 @@ class BudgetRouter(nn.Module):
 
     # ------------------------------------------------------------------ initialisation
     def initial_logits(self, axis: str) -> Tensor:
-        """(n_budgets, n_choices) prior logits, see the module docstring."""
+        """(n_budgets, n_choices) prior logits (docs/elastic.md, "The budget router")."""
         n_b, n_c = self.n_budgets, self.n_choices(axis)
         table = torch.zeros(n_b, n_c)
         if n_c == 1:
@@ -192,7 +167,7 @@ class BudgetRouter(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Deterministic initialisation from ``RouterConfig.seed`` (see the module docstring)."""
+        """Deterministic initialisation from ``RouterConfig.seed`` (docs/elastic.md, "The budget router")."""
         g = torch.Generator().manual_seed(self.router_config.seed)
         n_b = self.n_budgets
         for axis in self.axes:

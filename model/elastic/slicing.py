@@ -1,27 +1,12 @@
 """Zero-shot extraction: cut a standalone sub-model out of the (permuted) parent.
 
-Design choices:
+The sizes come from :meth:`Architecture.resolve`, like the masks, so "masked full model == extracted
+model" compares two readings of one description. Every tensor is sliced by an index per dimension:
+prefixes (``narrow``), or for grouped heads the first k heads of every group. The new model is built
+on the meta device and loaded with ``strict=True, assign=True``; ``view=True`` keeps pure prefixes
+as views of the parent.
 
-* The sizes come from :meth:`Architecture.resolve`, like the masks, so "masked full model ==
-  extracted model" compares two readings of one description.
-* Every tensor is sliced by an index per dimension. Most indices are prefixes (``narrow``), but
-  grouped heads are not: keeping k of the H/G heads of every Mamba group (or of every KV group)
-  keeps ``[g*H/G, g*H/G + k)`` for each group g, and the z / x / dt rows of ``in_proj``, the x
-  channels of ``conv1d``, ``A_log`` / ``D`` / ``dt_bias``, the gated-norm weight and the
-  ``out_proj`` columns all follow that gather. B and C (groups x state) never shrink.
-* The new model is built on the meta device and receives the sliced tensors with
-  ``load_state_dict(strict=True, assign=True)``: nothing is allocated twice, and a tensor this
-  module forgot to produce fails loudly instead of staying at its initial value.
-* ``view=True`` keeps pure prefixes as views of the parent's storage (no copy; writes to one
-  model show in the other); gathered tensors are always copies. The default copies everything
-  into contiguous tensors.
-* Per-layer architectures cannot be written as one ``nemotron_h`` config (its sizes are global).
-  :func:`extract` still builds such a model, each block from its own per-layer config
-  (:func:`layer_configs`); the model's ``config`` is then the envelope (largest size per layer
-  kind) and is not a faithful description for ``save_pretrained``. :func:`extract_config`
-  refuses such architectures unless ``allow_per_layer=True``.
-* The extracted config drops the parent's ``elastic`` metadata (budget list): it described
-  sub-models of the parent, not of the extracted model.
+Design notes (grouped heads, per-layer architectures, the config): docs/elastic.md ("Extraction").
 """
 
 from __future__ import annotations

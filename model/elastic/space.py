@@ -1,21 +1,11 @@
 """The elastic search space: which axes shrink, and to which candidate sizes.
 
-Design choices:
+One optional candidate list per axis (``None``: not elastic), strictly descending from the parent's
+full size, so candidate 0 is the full model on every axis. Head axes count TOTAL heads per layer
+(divisible by the group count). Validation names the axis, the value and what is allowed;
+``nvfp4_aligned`` demands widths on NVFP4's 16-element block boundaries.
 
-* One optional candidate list per axis (``None`` = the axis is not elastic). Lists are strictly
-  descending and the first entry is the parent's full size, so candidate 0 is always "the full
-  model" and the router's output index k maps to the k-th largest choice on every axis.
-* Head axes are counted as TOTAL heads per layer, not heads per group: that is the number a
-  config file (``mamba_num_heads``, ``num_attention_heads``) holds, so an architecture reads like
-  the config of the model it extracts to. Because the same k heads are kept inside every group
-  (Mamba B/C groups, attention KV groups), a total must be divisible by the group count.
-* Validation collects every problem before raising, and each message names the axis, the
-  offending value and what would have been allowed, so a bad YAML is fixed in one edit.
-* ``nvfp4_aligned``: NVFP4 stores one scale per block of 16 along the input dimension of a
-  weight. A nested prefix survives quantization only if it ends on a block boundary, so every
-  elastic width that becomes an input dimension must be a multiple of 16. For grouped heads the
-  kept prefix lives inside each group, so the per-group width (k heads x head_dim) is checked,
-  which also makes the total a multiple of 16.
+Design notes: docs/elastic.md ("The search space").
 """
 
 from __future__ import annotations

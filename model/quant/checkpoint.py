@@ -1,42 +1,13 @@
 """Quantized checkpoints: calibrate, quantize a (nested) checkpoint once, write it, load it back.
 
-Layout (one folder, the keys and config serving engines read for ModelOpt-style checkpoints):
+The folder has ModelOpt-style keys and config: ``model.safetensors`` with ``X.weight``,
+``X.weight_scale``, ``X.weight_scale_2`` (nvfp4) and ``X.input_scale`` (fp8) per quantized
+projection, routed experts written per expert; ``config.json`` with a ``quantization_config``;
+``manifest.json``. The file is the state dict of the in-memory quantized model, so no renaming.
+FP8 input scales are calibrated on the full model and under every budget's hard mask (the max), so
+one per-tensor scale covers every nested sub-model. NVFP4 is weight-only (W4A16).
 
-* ``model.safetensors``: for a quantized projection ``X`` (e.g. ``model.layers.0.mixer.in_proj``)
-  ``X.weight`` (fp8: ``float8_e4m3fn`` (out, in); nvfp4: ``uint8`` (out, in/2), two E2M1 codes a
-  byte), ``X.weight_scale`` (fp8: fp32 scalar; nvfp4: ``float8_e4m3fn`` (out, in/16) block
-  scales), ``X.weight_scale_2`` (nvfp4: fp32 global scale) and ``X.input_scale`` (fp8: static
-  fp32 activation scale). Routed experts are written PER EXPERT,
-  ``model.layers.{i}.mixer.experts.{j}.up_proj.weight`` and so on, each expert with its own
-  scales. Everything else (embeddings, norms, routers, ``lm_head``, Mamba conv / A / D, and the
-  projections the preset keeps) stays dense in the source dtype.
-* ``config.json``: the source config (its ``elastic`` section untouched) plus
-  ``quantization_config = {"quant_method": "modelopt", "quant_algo": "FP8" | "NVFP4",
-  "group_size": 16 | null, "ignore": [...], "exclude_modules": [...], "kv_cache_quant_algo": null,
-  "preset": ..., "activation_scheme": "static" | null}``; ``ignore`` (and its alias
-  ``exclude_modules``, the spelling some engines read) lists the linear-like modules kept in high
-  precision.
-* ``manifest.json`` with SHA-256 of every file, and the tokenizer files copied from the source.
-
-Design choices:
-
-* The file is the state dict of the in-memory quantized model (:func:`quantize_model`): the
-  :class:`~model.quant.qlinear.QuantLinear` and :class:`~model.quant.experts.QuantExperts`
-  buffers are named like the file keys, so writing and loading need no renaming and
-  :func:`load_quantized_model` rebuilds exactly the module tree that was saved (which projections
-  are quantized is read from the keys that carry a ``weight_scale``).
-* FP8 activation scales come from calibration: forward pre-hooks record the input amax of every
-  quantized projection; for the routed experts a hook on the experts module recomputes each
-  expert's inputs from the routing, so every expert gets its own ``input_scale`` for ``up_proj``
-  and ``down_proj``. An expert no calibration token was routed to takes the largest amax of its
-  layer's experts. A per-tensor scale cannot be sliced, so calibration runs under every budget's
-  hard mask as well as on the full model and keeps the maximum: the one scale covers every
-  nested sub-model.
-* NVFP4 alignment of the nested widths is checked before any work
-  (:func:`model.quant.nesting.check_nvfp4_alignment`); with ``ElasticSpace(nvfp4_aligned=True)``
-  the same problem is caught earlier, when the space is configured.
-* NVFP4 is weight-only here (W4A16): engines that run NVFP4 activations calibrate their own
-  activation scales, so none is written.
+Layout and design notes: docs/quantization.md ("Quantized checkpoints").
 """
 
 from __future__ import annotations
@@ -136,7 +107,7 @@ def calibrate_input_amax(
 
     Returns:
         ``{qualified name: fp32 scalar}``; routed experts as ``...mixer.experts.{j}.up_proj`` /
-        ``.down_proj`` (see the module docstring for experts no token reached).
+        ``.down_proj`` (experts no token reached: docs/quantization.md).
     """
     preset = _preset(preset)
     observers: dict[str, AmaxObserver] = {}
@@ -256,7 +227,7 @@ def quantized_format(model: nn.Module) -> str | None:
 
 
 def quantization_config(fmt: QuantFormat, ignore: Sequence[str], preset: str) -> dict[str, Any]:
-    """The ``quantization_config`` section of ``config.json`` (see the module docstring)."""
+    """The ``quantization_config`` section of ``config.json`` (layout: docs/quantization.md)."""
     _check_format(fmt)
     return {
         "quant_method": "modelopt",
@@ -373,8 +344,8 @@ def load_quantized_model(
 
     Masks, caches and generation work as on the dense model. ``dtype`` converts the dense tensors
     (and so the compute dtype); quantized buffers keep their format. ``cache_dequantized`` keeps a
-    dense copy of each quantized weight after its first use (the default: several times faster
-    decoding on CPU, see :mod:`model.quant.experts`). All-or-nothing: missing, unexpected,
+    dense copy of each quantized weight after its first use (the default: faster decoding on
+    CPU, figures in ``benchmarks/RESULTS.md``). All-or-nothing: missing, unexpected,
     mis-shaped or wrongly typed tensors raise :class:`CheckpointError` naming them.
     """
     folder = Path(path)

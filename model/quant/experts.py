@@ -1,29 +1,13 @@
 """Quantized routed experts: the stacked ``model.moe.Experts`` with every expert in FP8 or NVFP4.
 
-Design choices:
+One :class:`QuantExpert` per routed expert, under its index, holding two
+:class:`~model.quant.qlinear.QuantLinear` (``up_proj`` (F, H), ``down_proj`` (H, F)), so the state
+dict keys are the per-expert ``experts.{j}.up_proj.weight`` layout serving engines read. Scales are
+per expert. :meth:`QuantExperts.forward` has the contract and token order of
+:meth:`model.moe.Experts.forward`. Dequantized weights are cached after first use by default
+(:data:`DEFAULT_CACHE_DEQUANTIZED`; ``cache_dequantized=False`` keeps only the quantized bytes).
 
-* One :class:`QuantExpert` per routed expert, registered under its index (``"0"``, ``"1"``, ...),
-  each holding two :class:`~model.quant.qlinear.QuantLinear` (``up_proj`` (F, H), ``down_proj``
-  (H, F)). The state dict keys are therefore ``experts.{j}.up_proj.weight`` /
-  ``.weight_scale`` / ``.weight_scale_2`` / ``.input_scale`` -- the per-expert layout serving
-  engines read -- with no renaming step between the module and the file.
-* Scales are per expert: FP8 has one weight scale (and one static input scale) per expert
-  projection; NVFP4 has one fp32 global scale per expert projection and fp8 block scales of 16
-  along the input dimension (H for ``up_proj``, F for ``down_proj``). A per-expert global scale
-  keeps a small expert from losing its block-scale range to a large neighbour; slicing the expert
-  axis to a prefix never touches it.
-* :meth:`QuantExperts.forward` has exactly the contract of :meth:`model.moe.Experts.forward`
-  (``ffn_mask`` on the post-activation channels, ``observer`` receiving expert output norms) and
-  the same token ordering (stable sort by expert, one contiguous slice per expert, ``index_add_``
-  back), so with equal weights the two give the same result and masks / REAP / generation keep
-  working on a quantized model.
-* Dequantization: on the fly (only the experts a batch routes to are dequantized) or cached
-  (each expert's dense weight is kept after first use, in the activation dtype). Measured on CPU
-  (``benchmarks/bench_quant_decode.py``, batch-1 decode, see ``benchmarks/RESULTS.md``), caching is
-  2.6-6x faster for NVFP4 and 1.3-3.6x for FP8, because unpacking and scaling the codes costs far
-  more than the matmuls of one token; it is therefore the default (:data:`DEFAULT_CACHE_DEQUANTIZED`),
-  at the price of one dense copy of each used expert. Pass ``cache_dequantized=False`` to keep only
-  the quantized bytes resident.
+Design notes: docs/quantization.md ("Quantized routed experts").
 """
 
 from __future__ import annotations
@@ -34,14 +18,14 @@ import torch
 from torch import Tensor, nn
 
 from model.mlp import relu2
-from model.moe import Experts, RoutingObserver
+from model.moe import Experts, RoutingObserver, expert_loop
 
 from .qlinear import QuantFormat, QuantLinear
 
 __all__ = ["DEFAULT_CACHE_DEQUANTIZED", "QuantExpert", "QuantExperts"]
 
 DEFAULT_CACHE_DEQUANTIZED = True
-"""Cache dequantized weights by default (faster decoding on CPU; see the module docstring)."""
+"""Cache dequantized weights by default (faster decoding on CPU; figures in ``benchmarks/RESULTS.md``)."""
 
 
 class QuantExpert(nn.Module):
@@ -123,7 +107,7 @@ class QuantExperts(nn.Module):
         return q
 
     def __getitem__(self, j: int) -> QuantExpert:
-        return self._modules[str(j)]  # type: ignore[return-value]
+        return getattr(self, str(j))
 
     def __iter__(self) -> Iterator[QuantExpert]:
         return (self[j] for j in range(self.num_experts))
@@ -159,30 +143,14 @@ class QuantExperts(nn.Module):
         ``ffn_mask`` (F,) weights the post-activation channels of every expert (FFN width axis);
         ``observer`` gets (idx, weights, expert output L2 norms (T, k)), as for the dense module.
         """
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token = order // k
-        xs = x[token]
-        pieces = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            expert = self[e]
-            h = relu2(expert.up_proj(xs[start : start + n]))
+
+        def expert(rows: Tensor, e: int) -> Tensor:
+            h = relu2(self[e].up_proj(rows))
             if ffn_mask is not None:
                 h = h * ffn_mask.to(h.dtype)
-            pieces.append(expert.down_proj(h))
-            start += n
-        ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
-        if observer is not None:
-            norms = torch.empty(t * k, device=x.device, dtype=torch.float32)
-            norms[order] = ys.detach().float().norm(dim=-1)
-            observer(idx, weights.detach(), norms.view(t, k))
-        w = weights.reshape(-1)[order].to(ys.dtype)
-        return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
+            return self[e].down_proj(h)
+
+        return expert_loop(x, idx, weights, self.num_experts, expert, observer)
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, hidden={self.hidden_size}, ffn={self.ffn_size}, fmt={self.fmt}"

@@ -1,19 +1,11 @@
 """FP8 E4M3 weight and activation quantization (pure-PyTorch reference).
 
-Format: ``torch.float8_e4m3fn`` -- 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no
-infinities, a single NaN encoding, largest finite magnitude 448. Normal values carry a relative
-rounding error of at most 2^-4 (half a unit in the last place of a 3-bit mantissa); subnormals
-(magnitude below 2^-6) have an absolute spacing of 2^-9.
+Weights: one fp32 scale per tensor, ``scale = amax(|w|) / 448`` (1.0 for all zeros),
+``q = fp8(clamp(w / scale, -448, 448))``. Activations: a static per-tensor scale calibrated from an
+observed running amax (:class:`AmaxObserver`, :func:`calibrate_input_scale`), applied by
+:func:`fake_quantize_fp8_activation`.
 
-Weights use one fp32 scale per tensor chosen so that the largest magnitude lands exactly on 448::
-
-    scale = amax(|w|) / 448          (amax == 0 -> scale = 1.0, so zeros stay zeros)
-    q     = fp8(clamp(w / scale, -448, 448))
-    w'    = fp32(q) * scale
-
-Activations use a static per-tensor scale calibrated offline from an observed running amax
-(:class:`AmaxObserver`, :func:`calibrate_input_scale`) and are fake-quantized (quantize then
-dequantize) with it by :func:`fake_quantize_fp8_activation`.
+The format's precision: docs/quantization.md ("FP8 (E4M3)").
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Nesting survives quantization: cut any budget out of ONE quantized nested checkpoint.
 
-Quantize the full nested checkpoint once (:func:`model.quant.checkpoint.quantize_checkpoint`);
-:func:`extract_quantized_budget` then writes any budget as a standalone quantized checkpoint
-without requantizing, and :func:`load_quantized_budget` builds it in memory.
+:func:`extract_quantized_budget` writes any budget of a quantized nested checkpoint as a standalone
+quantized checkpoint, and :func:`load_quantized_budget` builds it in memory, without requantizing:
+the prefix rules are those of :mod:`model.elastic.slicing` (:func:`budget_rules`), per-tensor scales
+are copied and nvfp4 codes are sliced with their 16-element blocks, so extract-then-dequantize equals
+dequantize-then-extract bitwise. :func:`check_nvfp4_alignment` checks the block boundaries first.
 
-Design choices:
-
-* The prefix rules are those of the unquantized extraction (:mod:`model.elastic.slicing`), read off
-  the same :meth:`~model.elastic.arch.Architecture.resolve` and the same ``grouped_heads`` /
-  ``head_channels`` helpers: hidden prefix everywhere, the first k heads inside every Mamba group
-  or KV group, FFN prefixes for dense MLPs, every routed expert and the shared expert, an expert
-  prefix (router rows, bias, and whole experts: ``experts.{j}`` for ``j < e'``), dropped layers
-  renumbered. :func:`budget_rules` lists them once; quantized and dense tensors are both cut from
-  that list. The tests compare against :func:`model.elastic.slicing.extract` bitwise.
-* Quantized tensors are sliced, never requantized: per-tensor scales (fp8 ``weight_scale`` and
-  ``input_scale``, nvfp4 ``weight_scale_2``) are copied untouched; fp8 codes are sliced like dense
-  weights; nvfp4 packed codes and block scales are sliced with their blocks (``slice_nvfp4`` for
-  row selections and input prefixes; grouped head columns, which are several runs, gather whole
-  bytes and whole blocks). Hence extract-then-dequantize equals dequantize-then-extract bitwise.
-* That is only possible when every kept run of input columns starts and ends on a 16-element
-  block boundary. :func:`check_nvfp4_alignment` checks every budget against every projection the
-  preset quantizes before quantizing, and names the budget, the axis, its value and the layer.
-* Safety nets: every tensor of the source must be consumed by a rule (or belong to a dropped
-  layer / expert), and the extracted logical parameter count must equal the budget's recorded
-  ``total_params``, so an edited config or a forgotten tensor fails loudly.
+Design notes (rules, alignment, safety nets): docs/quantization.md ("Nesting under quantization").
 """
 
 from __future__ import annotations
@@ -126,7 +109,7 @@ def budget_architectures(checkpoint_dir: str | Path) -> tuple[dict[str, Architec
 
 
 def budget_rules(config: HybridConfig, res: ResolvedArch) -> list[Rule]:
-    """Every tensor of the sub-model ``res`` of ``config``'s parent, as slicing rules (module docstring)."""
+    """Every tensor of the sub-model ``res`` of ``config``'s parent, as slicing rules (docs/quantization.md)."""
     h = res.hidden
     rules: list[Rule] = [
         TensorRule("model.embeddings.weight", "model.embeddings.weight", (None, h)),

@@ -1,29 +1,12 @@
 """NVFP4 weight quantization (pure-PyTorch reference).
 
-Element format E2M1: 1 sign bit, 2 exponent bits, 1 mantissa bit. The eight magnitudes are
-``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``; a 4-bit code is ``sign << 3 | magnitude_index`` so code ``0b1000``
-is negative zero. Two codes share a byte: element ``2i`` in the low nibble, ``2i + 1`` in the high one.
+E2M1 codes (magnitudes ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, sign in bit 3), two a byte (element ``2i``
+in the low nibble), with two-level scales along the last (input) dimension: an fp32 global scale
+``amax / (6 * 448)`` and an fp8 E4M3 scale per block of 16. Rounding is round-to-nearest-even on the
+E2M1 grid, saturating at 6. Shapes: weight (..., in) -> codes uint8 (..., in // 2), block scales
+(..., in // 16).
 
-Two-level scaling along the last (input) dimension, in blocks of 16 elements::
-
-    s_global = amax(|w|) / (6 * 448)                       fp32 scalar (amax == 0 -> 1.0)
-    s_block  = fp8_e4m3(clamp(amax_block / (6 * s_global), 0, 448))
-    S        = fp32(s_block) * s_global                      effective scale of a block
-    code     = E2M1_rne_satfinite(w / S)                     (S == 0 -> all codes zero)
-    w'       = E2M1_value(code) * S
-
-``s_global`` maps the tensor amax to the top of the fp8 block-scale range, so block scales use the
-full E4M3 dynamic range and (with exact arithmetic) never exceed 448; the clamp only matters when a
-caller supplies its own global scale (e.g. one shared across stacked experts).
-
-Rounding is round-to-nearest, ties-to-even on the E2M1 grid: a value halfway between two grid points
-goes to the one with an even magnitude index (even mantissa bit), e.g. 0.25 -> 0, 0.75 -> 1,
-1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4. Magnitudes above 6 saturate to 6.
-
-Error bound (see :func:`nvfp4_error_bound`): with ``y = |w| / S``, ``|w - w'| <= h(y) * S`` where
-``h`` is half the grid spacing around ``y`` (0.25 below 2, 0.5 in [2, 4), 1 in [4, 6]). Because the
-fp8 cast may round ``s_block`` down, ``y`` can slightly exceed 6; such elements saturate and their
-error is exactly ``|w| - 6 * S``. A block whose fp8 scale is zero decodes to zeros (error ``|w|``).
+The format, rounding and error bound in full: docs/quantization.md ("NVFP4 (E2M1 with block scales)").
 """
 
 from __future__ import annotations
@@ -301,17 +284,9 @@ def dequantize_nvfp4(
 def nvfp4_error_bound(w: Tensor, global_scale: Tensor | float | None = None) -> Tensor:
     """Per-element bound on ``|w - dequantize_nvfp4(*quantize_nvfp4(w))|`` from the format definition.
 
-    With ``S`` the effective block scale and ``y = |w| / S``:
-
-    * ``y <= 6``: round-to-nearest error, at most half the grid spacing around ``y`` times ``S``
-      (``0.25 S`` for ``y < 2``, ``0.5 S`` for ``y < 4``, ``S`` otherwise);
-    * ``y > 6`` (the fp8 cast rounded the block scale down, or a caller's global scale clamped it):
-      saturation, error exactly ``|w| - 6 S``;
-    * ``S == 0`` (the block scale underflowed fp8 or the block is all zero): the block decodes to
-      zero, error ``|w|``.
-
-    A slack of ``2^-20 * max(|w|, 6 S)`` covers the fp32 rounding of ``w / S`` (which can move a value
-    sitting within an ulp of a rounding boundary to the other side) and of ``code * S``.
+    With ``S`` the effective block scale and ``y = |w| / S``: half the grid spacing around ``y`` times
+    ``S`` for ``y <= 6``, exactly ``|w| - 6 S`` (saturation) for ``y > 6``, ``|w|`` when ``S == 0``; plus
+    a slack of ``2^-20 * max(|w|, 6 S)`` for fp32 rounding (docs/quantization.md, "NVFP4 (E2M1 with block scales)").
 
     Args:
         w: floating-point weight ``(..., in)``, ``in`` a multiple of 16.
@@ -347,8 +322,7 @@ def slice_nvfp4(
 
     Blocks never straddle the input prefix when ``in_len`` is a multiple of 16, and the global scale
     is shared, so ``dequantize_nvfp4(*slice_nvfp4(p, s, o, i), g)`` equals
-    ``dequantize_nvfp4(p, s, g)[..., o, :i]`` bitwise. (Quantizing the dense sub-matrix from scratch
-    would instead pick a different global scale and hence different codes.)
+    ``dequantize_nvfp4(p, s, g)[..., o, :i]`` bitwise.
 
     Args:
         packed: uint8 ``(..., out, in // 2)``.

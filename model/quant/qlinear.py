@@ -1,25 +1,12 @@
 """Quantized drop-in replacement for ``nn.Linear`` and a name-based module quantizer.
 
-:class:`QuantLinear` stores its weight in FP8 E4M3 (per-tensor scale) or NVFP4 (fp8 block scales plus
-an fp32 global scale) and dequantizes on the fly -- or once, into a cache -- for a dense matmul. This
-is a numerics reference, not a fast kernel: it reproduces exactly what a low-precision GEMM would
-see as its weight operand.
+:class:`QuantLinear` stores its weight in FP8 E4M3 (``weight`` (out, in), per-tensor
+``weight_scale``, optional static ``input_scale``) or NVFP4 (``weight`` uint8 (out, in // 2),
+``weight_scale`` fp8 (out, in // 16), global ``weight_scale_2``) and dequantizes on the fly, or once
+into a cache, for a dense matmul: a numerics reference, not a fast kernel. A nested width uses a
+prefix of the inputs (from ``x``) and optionally of the outputs, sliced, never requantized.
 
-State-dict layout follows the checkpoint convention of common serving engines:
-
-=================  ==========================================  ===========================================
-key                fp8                                         nvfp4
-=================  ==========================================  ===========================================
-``weight``         ``float8_e4m3fn`` ``(out, in)``             ``uint8`` ``(out, in // 2)`` (2 codes/byte)
-``weight_scale``   fp32 scalar (per tensor)                    ``float8_e4m3fn`` ``(out, in // 16)``
-``weight_scale_2`` --                                          fp32 scalar (global scale)
-``input_scale``    fp32 scalar, optional (static activation)   --
-``bias``           dense, optional                             dense, optional
-=================  ==========================================  ===========================================
-
-Nesting: a smaller sub-network uses a prefix of the input features (inferred from ``x``) and
-optionally a prefix of the output features; the quantized tensors are sliced rather than requantized
-so every nested width sees bitwise the same weights as the full model.
+State-dict layout table: docs/quantization.md ("Quantized linear layers").
 """
 
 from __future__ import annotations
@@ -253,13 +240,13 @@ class QuantLinear(nn.Module):
     # ------------------------------------------------------------------------------------------------
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
-        before = {n: self._buffers[n] for n in _QUANT_BUFFERS if self._buffers.get(n) is not None}
+        before = {n: getattr(self, n) for n in _QUANT_BUFFERS if getattr(self, n, None) is not None}
         super()._apply(fn, recurse)
         for name, old in before.items():
-            new = self._buffers[name]
+            new = getattr(self, name)
             if new is not None and new.dtype != old.dtype:
                 # Keep the device change, undo the dtype change (the dtype *is* the format).
-                self._buffers[name] = old.to(device=new.device)
+                setattr(self, name, old.to(device=new.device))  # a registered buffer stays one
         self._dequant_cache = None
         return self
 

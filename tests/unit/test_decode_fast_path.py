@@ -1,7 +1,8 @@
-"""The lean single-token decode path against the general forward (``HybridLM.fast_decode = False``).
+"""The decode plan (:mod:`model.decode`) against the reference forward of the layers.
 
-Every comparison runs both paths on copies of the same cache and asserts max |difference| <= 1e-5
-(float32) on the logits of every step and on the caches they leave behind.
+Every comparison runs both on copies of the same cache and asserts max |difference| <= 1e-5 (float32)
+on the logits of every step and on the caches they leave behind; bfloat16 models are held to bfloat16's
+rounding (``BF16_ATOL``, on logits of magnitude below 1).
 """
 
 from __future__ import annotations
@@ -9,18 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.attention as attention_module
-from model.budget_view import StridedExperts, budget_model
+import model.decode.layers as layers_module
 from model.cache import HybridCache, KVCache, MambaCache, clone_cache, empty_cache
 from model.config import HybridConfig
+from model.decode import DecodePlan, decode_plan
+from model.decode.budget_view import StridedExperts, budget_model
+from model.decode.ops import linear, rms_norm
 from model.elastic import Architecture
-from model.fastops import linear, rms_norm_rows
 from model.hybrid import HybridLM
 from model.masks import ModelMask, prefix_mask
-from model.moe import Experts, expert_path
+from model.moe import Experts, expert_loop, expert_path
 from tests.conftest import TINY
 
 ATOL = 1e-5
+BF16_ATOL = 2e-2
 
 VARIANTS = {
     "tiny": {},
@@ -51,67 +54,140 @@ def _max_diff_caches(a: HybridCache, b: HybridCache) -> float:
     for x, y in zip(a.layers, b.layers, strict=True):
         if isinstance(x, KVCache):
             assert x.length == y.length
-            worst = max(worst, (x.k[:, :, : x.length] - y.k[:, :, : y.length]).abs().max().item())
-            worst = max(worst, (x.v[:, :, : x.length] - y.v[:, :, : y.length]).abs().max().item())
+            worst = max(worst, (x.k[:, :, : x.length] - y.k[:, :, : y.length]).float().abs().max().item())
+            worst = max(worst, (x.v[:, :, : x.length] - y.v[:, :, : y.length]).float().abs().max().item())
         elif isinstance(x, MambaCache):
-            worst = max(worst, (x.conv - y.conv).abs().max().item(), (x.ssm - y.ssm).abs().max().item())
+            assert x.ssm.dtype == y.ssm.dtype
+            conv, ssm = (x.conv - y.conv).float(), (x.ssm - y.ssm).float()
+            worst = max(worst, conv.abs().max().item(), ssm.abs().max().item())
     assert a.seen_tokens == b.seen_tokens
     return worst
 
 
 @torch.no_grad()
-def _compare(m: HybridLM, ids: torch.Tensor, prefill: int, mask: ModelMask | None = None) -> None:
-    """Decode ids[:, prefill:] token by token on both paths from one prefill; logits and caches must agree."""
-    out = m(ids[:, :prefill], use_cache=True, mask=mask)
+def _compare(m: HybridLM, ids: torch.Tensor, prefill: int, atol: float = ATOL) -> None:
+    """Decode ids[:, prefill:] token by token with the plan and with the reference forward from one prefill;
+    logits and caches must agree."""
+    plan = DecodePlan(m)
+    out = m(ids[:, :prefill], use_cache=True)
     caches = {True: out.cache, False: clone_cache(out.cache)}
     for t in range(prefill, ids.shape[1]):
-        logits = {}
-        for fast in (True, False):
-            m.fast_decode = fast
-            res = m(ids[:, t : t + 1], cache=caches[fast], mask=mask)
-            logits[fast], caches[fast] = res.logits, res.cache
-        m.fast_decode = True
-        assert logits[True].shape == logits[False].shape == (ids.shape[0], 1, m.config.vocab_size)
-        assert (logits[True] - logits[False]).abs().max().item() <= ATOL
-        assert _max_diff_caches(caches[True], caches[False]) <= ATOL
+        tok = ids[:, t : t + 1]
+        assert DecodePlan.accepts(tok, caches[True])
+        fast, ref = plan(tok, caches[True]), m(tok, cache=caches[False])
+        caches = {True: fast.cache, False: ref.cache}
+        assert fast.logits.shape == ref.logits.shape == (ids.shape[0], 1, m.config.vocab_size)
+        assert fast.logits.dtype == ref.logits.dtype
+        assert (fast.logits.float() - ref.logits.float()).abs().max().item() <= atol
+        assert _max_diff_caches(caches[True], caches[False]) <= atol
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fast_decode_equals_general_path(variant, batch):
+def test_plan_equals_the_reference_forward(variant, batch):
     m = _model(VARIANTS[variant])
     ids = torch.randint(0, 64, (batch, 14), generator=torch.Generator().manual_seed(batch))
     _compare(m, ids, prefill=5)
 
 
+def test_plan_rows_on_the_grouped_expert_path(monkeypatch):
+    """Several rows whose experts take the grouped path (not the dense one) through the plan."""
+    import model.moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_DENSE_MAX_WASTED_MACS", 0)
+    assert expert_path(3, 2, 4, 16, 32) == "grouped"
+    _compare(_model({}), torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(4)), prefill=4)
+
+
+@pytest.mark.parametrize("variant", ["tiny", "one_group_biases", "group_routing"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bf16_plan_equals_the_reference_forward(variant, batch):
+    """Same comparison in bfloat16 (``group_routing`` also keeps a float32 residual stream)."""
+    m = _model(VARIANTS[variant]).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (batch, 12), generator=torch.Generator().manual_seed(batch))
+    _compare(m, ids, prefill=5, atol=BF16_ATOL)
+
+
 @torch.no_grad()
-def test_fast_decode_equals_full_forward():
+def _decode_pieces(m: HybridLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits (batch, seq, vocab): the prefill of ids[:, :prefill], then one plan step per later token."""
+    plan = DecodePlan(m)
+    out = m(ids[:, :prefill], use_cache=True)
+    pieces, cache = [out.logits], out.cache
+    for t in range(prefill, ids.shape[1]):
+        out = plan(ids[:, t : t + 1], cache)
+        pieces.append(out.logits)
+    return torch.cat(pieces, 1)
+
+
+def test_plan_decode_equals_full_forward():
     m = _model({})
     ids = torch.randint(0, 64, (2, 16))
-    full = m(ids).logits
-    out = m(ids[:, :4], use_cache=True)
-    pieces, cache = [out.logits], out.cache
-    for t in range(4, ids.shape[1]):
-        out = m(ids[:, t : t + 1], cache=cache)
-        pieces.append(out.logits)
-    assert (torch.cat(pieces, 1) - full).abs().max().item() <= ATOL
+    with torch.no_grad():
+        full = m(ids).logits
+    assert (_decode_pieces(m, ids, 4) - full).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(residual_in_fp32=True), dict(n_groups=1, use_bias=True)])
+def test_bf16_decode_equals_full_forward(overrides):
+    """A bfloat16 model: prefill + plan steps against one forward over the whole sequence, both against
+    the float32 forward of the same (rounded) weights."""
+    m = _model(overrides).to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = m(ids).logits
+        exact = _model(overrides).to(torch.bfloat16).float()(ids).logits  # the bf16 weights, float32 compute
+    decoded = _decode_pieces(m, ids, 4)
+    assert decoded.dtype == full.dtype == torch.bfloat16
+    assert exact.abs().max().item() > 0.1  # logits of order 1e-1: the tolerance is a few bf16 steps
+    assert (decoded.float() - full.float()).abs().max().item() <= BF16_ATOL
+    assert (decoded.float() - exact).abs().max().item() <= BF16_ATOL
+    assert (full.float() - exact).abs().max().item() <= BF16_ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_budget_models_and_generation_take_the_plan(dtype):
+    """A budget model's single-token steps and generation's steps run the plan: no block (the reference
+    layer) is called after the prefill, in float32 and bfloat16."""
+    from model.generate import RowStart, SamplingParams, decode_rows
+
+    parent = _model({"n_routed_experts": 8}).to(dtype)
+    budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2, experts=6))
+    calls: list[str] = []
+    for m in (parent, budget):
+        for block in m.model.layers:
+            block.register_forward_pre_hook(lambda mod, args: calls.append(mod.kind))
+    ids = torch.randint(0, 64, (2, 6))
+    out = budget(ids[:, :5], use_cache=True)
+    assert calls  # the prefill runs the blocks
+    calls.clear()
+    step = budget(ids[:, 5:], cache=out.cache)
+    assert calls == [] and step.logits.dtype == dtype
+    assert budget.decode_plan() is budget.decode_plan()  # built once
+    for model in (parent, budget):
+        decode_rows(model, [RowStart([1, 2, 3])], SamplingParams(max_new_tokens=4))
+        assert calls == ["mamba", "attention", "mamba", "moe", "mlp", "moe"]  # the prefill only
+        calls.clear()
 
 
 @torch.no_grad()
-def test_fast_decode_past_kv_capacity_and_from_an_empty_cache():
+def test_plan_past_kv_capacity_and_from_an_empty_cache():
     """Steps that outgrow the preallocated KV buffer, and a first token decoded into an empty cache."""
     m = _model({})
+    plan = DecodePlan(m)
     ids = torch.randint(0, 64, (1, 80))
     full = m(ids).logits
     cache = empty_cache(len(m.model.layers))
-    pieces = [m(ids[:, t : t + 1], cache=cache).logits for t in range(ids.shape[1])]
+    pieces = [plan(ids[:, t : t + 1], cache).logits for t in range(ids.shape[1])]
     assert (torch.cat(pieces, 1) - full).abs().max().item() <= ATOL
 
 
 @torch.no_grad()
-def test_fast_decode_leaves_foreign_states_intact():
-    """A Mamba state the model did not create is never written (the step falls back to ssd_step)."""
+def test_plan_leaves_foreign_states_intact():
+    """A Mamba state the model did not create is never written (the step allocates a new one)."""
     m = _model({})
+    plan = DecodePlan(m)
     ids = torch.randint(0, 64, (1, 10))
     full = m(ids).logits
     own = m(ids[:, :6], use_cache=True).cache
@@ -121,80 +197,98 @@ def test_fast_decode_leaves_foreign_states_intact():
     foreign.seen_tokens = own.seen_tokens
     kept = [c.ssm.clone() for c in foreign.layers if isinstance(c, MambaCache)]
     originals = [c for c in foreign.layers if isinstance(c, MambaCache)]
-    pieces = [m(ids[:, t : t + 1], cache=foreign).logits for t in range(6, 10)]
+    pieces = [plan(ids[:, t : t + 1], foreign).logits for t in range(6, 10)]
     assert (torch.cat(pieces, 1) - full[:, 6:]).abs().max().item() <= ATOL
     assert all(torch.equal(c.ssm, k) for c, k in zip(originals, kept, strict=True))
 
 
-def test_masks_and_autograd_take_the_general_path():
-    """With a mask or with autograd on, a step is the general forward (the fast path has no masks)."""
+def test_masks_and_autograd_are_not_plan_steps():
+    """A mask, autograd, several tokens or no cache: the plan does not apply; generation with a mask and a
+    budget model under a budget mask take the reference forward."""
     m = _model({})
     ids = torch.randint(0, 64, (2, 9))
+    cache = m(ids[:, :4], use_cache=True).cache
     mask = ModelMask(hidden=prefix_mask(m.config.hidden_size, 24))
-    _compare(m, ids, prefill=4, mask=mask)
-    out = m(ids[:, :4], use_cache=True)
-    step = m(ids[:, 4:5], cache=out.cache)
-    assert step.logits.requires_grad  # autograd on: the general path, differentiable
+    assert not DecodePlan.accepts(ids[:, 4:5], cache)  # autograd on
+    with torch.no_grad():
+        assert DecodePlan.accepts(ids[:, 4:5], cache)
+        assert not DecodePlan.accepts(ids[:, 4:5], cache, mask)
+        assert not DecodePlan.accepts(ids[:, 4:6], cache)
+        assert not DecodePlan.accepts(ids[:, 4:5], None)
+        assert not DecodePlan.accepts(ids[:, 4:5], cache, skip_logits=True)
+    masked = budget_model(m, Architecture(hidden=24), prefer="masked")
+    assert decode_plan(masked) is None and isinstance(decode_plan(m), DecodePlan)
+    step = m(ids[:, 4:5], cache=cache)
+    assert step.logits.requires_grad  # autograd on: the reference forward, differentiable
 
 
 @torch.no_grad()
-def test_fast_decode_follows_weight_updates():
-    """Weight-derived tensors cached by the Mamba step are rebuilt after an in-place update."""
+def test_plan_follows_weight_updates():
+    """The plan reads the weights at every step: in-place updates after it was built show."""
     m = _model({})
     ids = torch.randint(0, 64, (1, 8))
-    m(ids[:, :4], use_cache=True)
-    m(ids[:, 4:5], cache=m(ids[:, :4], use_cache=True).cache)  # fills the derived-tensor caches
+    plan = DecodePlan(m)
+    plan(ids[:, 4:5], m(ids[:, :4], use_cache=True).cache)
     for block in m.model.layers:
         if block.kind == "mamba":
             block.mixer.A_log.add_(0.5)
             block.mixer.conv1d.weight.mul_(1.5)
-    _compare(m, ids, prefill=4)
+    out = m(ids[:, :4], use_cache=True)
+    cache = clone_cache(out.cache)
+    assert (plan(ids[:, 4:5], out.cache).logits - m(ids[:, 4:5], cache=cache).logits).abs().max() <= ATOL
 
 
 @pytest.mark.parametrize("broadcast", [False, True])
 def test_both_attention_paths(monkeypatch, broadcast):
     """The broadcast attention (several threads, short cache) and scaled_dot_product_attention compute the
     same step."""
-    monkeypatch.setattr(attention_module, "_use_broadcast", lambda work: broadcast)
+    monkeypatch.setattr(layers_module, "use_broadcast", lambda q, work: broadcast)
     for overrides in ({}, dict(num_key_value_heads=4), dict(num_key_value_heads=1)):
         m = _model(overrides)
         _compare(m, torch.randint(0, 64, (2, 9)), prefill=4)
-    assert attention_module._use_broadcast(1) is broadcast
 
 
-def test_broadcast_attention_only_with_threads_and_small_work(monkeypatch):
+def test_broadcast_attention_only_with_threads_small_work_and_float32(monkeypatch):
+    q = torch.zeros(1, 8)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert attention_module._use_broadcast(1000)
-    assert not attention_module._use_broadcast(attention_module._SMALL_ATTENTION + 1)
+    assert layers_module.use_broadcast(q, 1000)
+    assert not layers_module.use_broadcast(q, layers_module._SMALL_ATTENTION + 1)
+    assert not layers_module.use_broadcast(q.bfloat16(), 1000)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert not attention_module._use_broadcast(1000)
+    assert not layers_module.use_broadcast(q, 1000)
 
 
 @torch.no_grad()
-def test_fast_decode_under_inference_mode():
+def test_plan_under_inference_mode():
     m = _model({})
     ids = torch.randint(0, 64, (1, 9))
     ref = m(ids).logits
+    plan = DecodePlan(m)
     with torch.inference_mode():
         out = m(ids[:, :4], use_cache=True)
-        pieces = [out.logits] + [m(ids[:, t : t + 1], cache=out.cache).logits for t in range(4, 9)]
+        pieces = [out.logits] + [plan(ids[:, t : t + 1], out.cache).logits for t in range(4, 9)]
     assert (torch.cat(pieces, 1) - ref).abs().max().item() <= ATOL
 
 
-def test_rms_norm_rows_and_linear_helpers():
+def test_rms_norm_and_linear_helpers():
     x, w = torch.randn(1, 40), torch.randn(40)
     ref = w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert (rms_norm_rows(x, w, 1e-5) - ref).abs().max().item() <= ATOL
-    assert (rms_norm_rows(x, None, 1e-5) - ref / w).abs().max().item() <= 1e-4
+    assert (rms_norm(x, w, 1e-5) - ref).abs().max().item() <= ATOL
+    assert (rms_norm(x, None, 1e-5) - ref / w).abs().max().item() <= 1e-4
     xs = torch.randn(3, 40)
     ref = w * xs / torch.sqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert (rms_norm_rows(xs, w, 1e-5) - ref).abs().max().item() <= ATOL
+    assert (rms_norm(xs, w, 1e-5) - ref).abs().max().item() <= ATOL
+    assert (rms_norm(xs.bfloat16(), w.bfloat16(), 1e-5).float() - ref).abs().max().item() <= BF16_ATOL * 4
     lin = torch.nn.Linear(40, 7, bias=False)
     res = torch.randn(3, 7)
     with torch.no_grad():
         assert (linear(lin, xs, res) - (lin(xs) + res)).abs().max().item() <= ATOL
         lin_b = torch.nn.Linear(40, 7)
         assert (linear(lin_b, xs, res) - (lin_b(xs) + res)).abs().max().item() <= ATOL
+        half = torch.nn.Linear(40, 7).bfloat16()  # a bf16 projection onto a float32 residual: promoted
+        got = linear(half, xs.bfloat16(), res)
+        assert got.dtype == torch.float32
+        assert (got - (half(xs.bfloat16()).float() + res)).abs().max().item() == 0
         seen = []
         handle = lin.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
         linear(lin, xs)
@@ -217,6 +311,20 @@ def _routing(t: int, k: int, e: int, seed: int = 0) -> tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(seed)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     return idx, torch.rand(t, k, generator=g)
+
+
+def test_expert_loop_sums_weighted_expert_outputs():
+    """Expert e multiplies by e + 1: row 0 = 0.5 * 1 * 1 + 0.25 * 2 * 1, row 1 = 1 * 2 * 2 + 2 * 1 * 2; the
+    stacked form (one call over all slices) and the observer's norms agree."""
+    x = torch.tensor([[1.0], [2.0]])
+    idx = torch.tensor([[0, 1], [1, 0]])
+    w = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
+    seen: list[torch.Tensor] = []
+    out = expert_loop(x, idx, w, 3, lambda rows, e: rows * (e + 1), lambda i, ww, n: seen.append(n))
+    assert out.tolist() == [[1.0], [8.0]]
+    assert seen[0].tolist() == [[1.0, 2.0], [4.0, 2.0]]
+    stacked = lambda rows, counts: rows * torch.repeat_interleave(torch.arange(1.0, 4.0), counts)[:, None]  # noqa: E731
+    assert expert_loop(x, idx, w, 3, None, None, stacked).tolist() == [[1.0], [8.0]]
 
 
 @pytest.mark.parametrize("t", [1, 2, 3])
@@ -338,8 +446,8 @@ def test_budget_views_decode_like_the_masked_parent(overrides, batch):
 @torch.no_grad()
 def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
     """Row / column blocks of a weight, grouped into strided views, against index_select of the same weight."""
-    from model.budget_view import store_transposed
-    from model.split_linear import col_linear, row_linear
+    from model.decode.budget_view import store_transposed
+    from model.decode.split_linear import col_linear, row_linear
 
     lin = torch.nn.Linear(20, 48, bias=bias)
     if inputs_major:
@@ -372,8 +480,8 @@ def test_split_projections_equal_the_gathered_weights(inputs_major, bias):
 def test_one_row_takes_the_span_of_densely_kept_rows(bias):
     """Kept rows filling at least half of their span: one input row is one GEMV over the span and a gather,
     equal to the blocks' path (which several rows still take); sparsely kept rows have no span path."""
-    from model.budget_view import store_transposed
-    from model.split_linear import RowSplitLinear, row_linear
+    from model.decode.budget_view import store_transposed
+    from model.decode.split_linear import RowSplitLinear, row_linear
 
     lin = torch.nn.Linear(24, 64, bias=bias)
     store_transposed(lin.weight)

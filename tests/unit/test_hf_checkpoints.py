@@ -370,7 +370,7 @@ def test_duplicate_tensor_across_shards_is_named(tmp_path):
 
 # ---------------------------------------------------------------------- other loaders
 def test_budget_registry_and_quantizer_read_transformers_output(tmp_path):
-    from model.budget_view import BudgetRegistry
+    from model.decode.budget_view import BudgetRegistry
     from model.quant import load_quantized_model
     from model.quant.checkpoint import quantize_checkpoint
 

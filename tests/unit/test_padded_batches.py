@@ -1,8 +1,8 @@
 """Batches of rows whose histories differ in length (left-padded KV caches) against each row decoded alone.
 
 :func:`model.cache.concat_caches` right-aligns shorter KV histories and marks the slots before them as
-padding; every decode step must give each row the logits it gets in a batch of its own, on the lean
-decode path, on the general path, and through budget views and masks. Max |difference| <= 1e-5.
+padding; every decode step must give each row the logits it gets in a batch of its own, with the decode
+plan, with the reference forward, and through budget views and masks. Max |difference| <= 1e-5.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.budget_view import budget_model
 from model.cache import HybridCache, KVCache, MambaCache, clone_cache, concat_caches
 from model.config import HybridConfig
+from model.decode import DecodePlan
+from model.decode.budget_view import budget_model
 from model.elastic import Architecture
 from model.generate import RowStart, SamplingParams, decode_rows, take_row
 from model.hybrid import HybridLM
@@ -37,12 +38,20 @@ def _prefill(model, prompt: list[int]) -> tuple[HybridCache, torch.Tensor]:
     return out.cache, out.logits[:, -1]
 
 
-def _alone(model, prompt: list[int], feed: list[int]) -> torch.Tensor:
+def _stepper(model, fast: bool):
+    """The single-token step: the model's decode plan (fast) or its forward (a budget model's forward runs
+    its plan by itself)."""
+    plan = DecodePlan(model) if fast else None
+    return lambda ids, cache: plan(ids, cache) if plan is not None else model(ids, cache=cache)
+
+
+def _alone(model, prompt: list[int], feed: list[int], fast: bool = False) -> torch.Tensor:
     """Logits (steps, vocab) of ``prompt`` then each token of ``feed``, batch of one."""
+    step = _stepper(model, fast)
     cache, first = _prefill(model, prompt)
     rows = [first[0]]
     for tok in feed:
-        out = model(torch.tensor([[tok]]), cache=cache)
+        out = step(torch.tensor([[tok]]), cache)
         cache = out.cache
         rows.append(out.logits[0, -1])
     return torch.stack(rows)
@@ -56,13 +65,14 @@ def _prompts(n: int, lengths: list[int], seed: int = 0) -> tuple[list[list[int]]
 
 
 @torch.no_grad()
-def _batched(model, prompts: list[list[int]], feeds: list[list[int]]) -> torch.Tensor:
+def _batched(model, prompts: list[list[int]], feeds: list[list[int]], fast: bool = False) -> torch.Tensor:
     """The same rows prefilled one by one, concatenated into one padded batch, fed together."""
+    step = _stepper(model, fast)
     caches, firsts = zip(*(_prefill(model, p) for p in prompts), strict=True)
     cache = concat_caches(list(caches))
     steps = [torch.cat(firsts)]
     for t in range(len(feeds[0])):
-        out = model(torch.tensor([[f[t]] for f in feeds]), cache=cache)
+        out = step(torch.tensor([[f[t]] for f in feeds]), cache)
         cache = out.cache
         steps.append(out.logits[:, -1])
     return torch.stack(steps, 1)  # (rows, steps, vocab)
@@ -73,11 +83,10 @@ def _batched(model, prompts: list[list[int]], feeds: list[list[int]]) -> torch.T
 @torch.no_grad()
 def test_padded_batch_decodes_every_row_as_alone(fast, lengths):
     m = _model()
-    m.fast_decode = fast
     prompts, feeds = _prompts(6, lengths)
-    batched = _batched(m, prompts, feeds)
+    batched = _batched(m, prompts, feeds, fast)
     for r, (p, f) in enumerate(zip(prompts, feeds, strict=True)):
-        assert (batched[r] - _alone(m, p, f)).abs().max().item() <= ATOL
+        assert (batched[r] - _alone(m, p, f, fast)).abs().max().item() <= ATOL
 
 
 @torch.no_grad()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.budget_view import BudgetRegistry, budget_model, copied_bytes
 from model.config import HybridConfig
+from model.decode.budget_view import BudgetRegistry, budget_model, copied_bytes
 from model.elastic import Architecture, extract, hard_mask
 from model.generate import RowStart, SamplingParams, decode_rows, generate
 from model.hybrid import HybridLM

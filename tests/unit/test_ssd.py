@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.ssd import ssd_scan, ssd_scan_chunked, ssd_scan_reference, ssd_step, ssd_step_inplace
+from model.ssd import ssd_scan, ssd_scan_chunked, ssd_scan_reference, ssd_step
 
 ATOL = 1e-4
 
@@ -252,6 +252,21 @@ def test_step_inplace_matches_step(ngroups: int):
     for t in range(3):
         args = (inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t])
         y_ref, ref_state = ssd_step(ref_state, *args, D=inp["D"])
-        y = ssd_step_inplace(state, *args, D=inp["D"])
+        y, written = ssd_step(state, *args, D=inp["D"], inplace=True)
+        assert written is state
         assert max_diff(y, y_ref) <= 1e-5
         assert max_diff(state, ref_state) <= 1e-5
+
+
+def test_step_on_a_bf16_state_computes_in_float32():
+    """A bfloat16 state and inputs: the step runs in float32 and rounds once; in place needs float32."""
+    inp = make_inputs(seqlen=1, ngroups=2, with_d=True, with_init=True, seed=7)
+    args = (inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0], inp["C"][:, 0])
+    y_ref, s_ref = ssd_step(inp["initial_state"], *args, D=inp["D"])
+    half = [a.bfloat16() for a in args]
+    y, s = ssd_step(inp["initial_state"].bfloat16(), *half, D=inp["D"])
+    assert y.dtype == s.dtype == torch.bfloat16
+    assert max_diff(y.float(), y_ref) <= 0.05 * y_ref.abs().max().item()
+    assert max_diff(s.float(), s_ref) <= 0.05 * s_ref.abs().max().item()
+    with pytest.raises(ValueError, match="inplace"):
+        ssd_step(inp["initial_state"].bfloat16(), *half, D=inp["D"], inplace=True)

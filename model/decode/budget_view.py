@@ -1,60 +1,15 @@
 """Every budget of a nested family as a model whose weights are views of ONE parent copy.
 
-Design choices:
-
-* :func:`budget_model` builds a standalone-looking :class:`BudgetModel` (a :class:`HybridLM`)
-  whose parameters are ``narrow``/slice views of the parent's tensors: hidden, FFN widths,
-  experts, the shared expert and attention K/V columns are plain prefixes, so they are exact
-  views (strided matrices go to BLAS with their leading dimension; nothing is copied).
-* Grouped heads are not a single prefix. Keeping k of the H/G heads of every group keeps G
-  separate row blocks of ``q_proj`` (or of Mamba's z / x / dt rows) and G column blocks of
-  ``o_proj`` / ``out_proj``. ``F.linear`` needs one 2-D weight, and no 2-D view of a strided
-  block pattern exists, so those projections become :mod:`model.split_linear` layers
-  (``RowSplitLinear``: outputs of the block views, concatenated; ``ColSplitLinear``: block views
-  applied to the matching input slices, summed), still views, with one batched matmul per run of
-  equally spaced blocks. Mamba's ``in_proj`` is split this
-  way even with one group ([z | x | B | C | dt] keeps a prefix of z, x and dt but all of B and C).
-  A single input row whose kept rows fill at least half their span takes one GEMV over the span
-  and a gather instead (short strided runs stream slowly; see ``split_linear._SPAN_MIN_KEPT``).
-* A registry built with ``nested=True`` (serving, evaluation) first re-lays the parent's Mamba
-  ``in_proj`` / ``out_proj`` out tier by tier (:mod:`model.nested_layout`): the heads every budget
-  keeps first, then those only larger budgets keep. Each budget's Mamba rows are then one prefix
-  of the one storage, read by one GEMV plus a gather of its outputs (no gather for the smallest
-  budget). Layers under ``nested_layout.NEST_MIN_BYTES`` stay group-major (overhead-bound there).
-* Routed experts are strided 3-D views ``[:E', :F', :H']``. When the expert width shrinks, the
-  (E, F) dimensions can no longer be flattened without a copy, which the parent's few-token
-  expert path does; such layers get :class:`StridedExperts`, the same computation with batched
-  matmuls that accept strided operands.
-* Every input projection is sliced along its INPUT dimension (hidden: embedding-side columns of
-  ``lm_head``, ``in_proj``, q/k/v, MLP and expert ``up_proj``, ...). A column prefix of a row-major
-  (out, in) matrix is a strided GEMV that costs about as much as the full matrix (measured for
-  ``lm_head`` at vocab 32000: 9.6 ms for 512 of 1024 columns against 12.0 ms for all). So the first
-  view of a parent re-lays every 2-D ``nn.Linear`` weight and the stacked expert weights out in
-  memory as the transpose of a contiguous (in, out) tensor (:func:`store_transposed`: same values,
-  same parameters, still one copy), and a budget's ``W[:, :h]`` is then the contiguous row prefix
-  ``W.t()[:h]``: the GEMV reads only the budget's bytes (4.5 ms above), and the full model's GEMVs
-  are no slower (``x @ W.t()`` becomes a plain row-major GEMV).
-* Small per-channel tensors whose kept entries are not contiguous -- the depthwise ``conv1d``
-  weight and bias (x channels and B/C channels), and with several groups ``A_log`` / ``D`` /
-  ``dt_bias`` and the gated-norm weight -- are copied: the mixer reads them as whole tensors, and
-  they hold ``O(heads * head_dim * kernel)`` numbers per layer (``copied_bytes`` reports them:
-  about ``(kernel + 1) / (3 * hidden)`` of a Mamba layer's bytes, 0.8% of the demo parent's
-  weights at hidden 64 with half its Mamba heads, well under 0.1% at hidden 2688; zero when Mamba
-  heads do not shrink). Avoiding even that copy would need the Mamba mixer to accept its conv
-  channels in segments.
-* Fallback, ``mode == "masked"``: the budget is the parent's own modules plus the budget's
-  :func:`~model.elastic.build_masks.hard_mask`. It is used when the parent is quantized (a
-  ``QuantLinear`` projection or ``QuantExperts``: packed codes and block scales, whose slicing is
-  the quantizer's job) or when asked with ``prefer="masked"``. It computes the same function at
-  full-model cost (every layer runs, dropped ones gated off).
-* A :class:`BudgetModel` may carry a default mask that its ``forward`` applies; the caller then
-  cannot pass another (a second mask would silently compose). Its caches have the shapes of its
-  own modules: the same for every budget along hidden / FFN / experts, smaller Mamba states when
-  Mamba heads shrink, and fewer layers when depth drops layers (``kept_layers`` names them).
-* A view model shares memory with the parent: an in-place update of the parent shows in every
-  budget, and moving a view model to another device or dtype copies it (move the parent first).
-  It is for inference and serving; write a budget to disk with
-  :func:`model.elastic.export.extract_budget`, which copies contiguous tensors.
+:func:`budget_model` builds a :class:`BudgetModel` (a :class:`~model.hybrid.HybridLM`) whose parameters are
+views of the parent's tensors: prefixes along hidden, FFN widths, experts and K/V; grouped heads (k of the
+H/G heads of every group) as :mod:`model.decode.split_linear` projections over strided block views; routed
+experts as strided 3-D views (:class:`StridedExperts` when (E, F) no longer flattens). The first view of a
+parent re-lays its matrices out inputs-major (:func:`store_inputs_major`) so that an input-column prefix is
+a contiguous row block. Small per-channel Mamba tensors (conv taps, and with several groups A_log / D /
+dt_bias / the norm weight) are copied (:func:`copied_bytes`). A quantized parent, or ``prefer="masked"``,
+gives the parent's own modules under the budget's hard mask instead. A budget model's single-token cached
+steps run its :class:`~model.decode.plan.DecodePlan`. :class:`BudgetRegistry` holds one parent and every
+budget, largest first. Design notes: ``docs/decode.md``.
 """
 
 from __future__ import annotations
@@ -63,12 +18,15 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
+from model.cache import HybridCache
 from model.config import HybridConfig
+from model.decode.plan import DecodePlan
+from model.decode.split_linear import col_linear, param, row_linear, runs
 from model.elastic.arch import Architecture, LayerArch
 from model.elastic.build_masks import hard_mask
 from model.elastic.params import count_params
@@ -76,10 +34,7 @@ from model.elastic.slicing import extract_config, grouped_heads, head_channels, 
 from model.elastic.space import ElasticSpace
 from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
-from model.moe import Experts, RoutingObserver
-from model.nested_layout import nest_mamba_projections, tiered_view
-from model.split_linear import col_linear, param, row_linear, runs
-from model.tiered_linear import TieredCols, TieredRows
+from model.moe import Experts, RoutingObserver, expert_loop
 
 Mode = Literal["view", "masked"]
 
@@ -121,12 +76,9 @@ def _view_mamba(dst: nn.Module, src: nn.Module, c: HybridConfig, la: LayerArch, 
     ch = head_channels(heads, c.mamba_head_dim)
     d, gn = c.mamba_d_inner, 2 * c.n_groups * c.ssm_state_size
     bc = torch.arange(gn)
-    if isinstance(src.in_proj, TieredRows):  # a nested parent: the budget's rows are a prefix of its storage
-        dst.in_proj, dst.out_proj = tiered_view(src, c, la.mamba_heads, h)
-    else:
-        in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
-        dst.in_proj = row_linear(src.in_proj, in_rows, h)
-        dst.out_proj = col_linear(src.out_proj, ch, h)
+    in_rows = torch.cat([ch, d + ch, 2 * d + bc, 2 * d + gn + heads])  # [z | x | B | C | dt]
+    dst.in_proj = row_linear(src.in_proj, in_rows, h)
+    dst.out_proj = col_linear(src.out_proj, ch, h)
     conv_ch = torch.cat([ch, d + bc])  # [x | B | C]
     dst.conv1d.weight = param(_gather(src.conv1d.weight, conv_ch))
     if src.conv1d.bias is not None:
@@ -163,24 +115,8 @@ class StridedExperts(Experts):
     def _grouped(
         self, x: Tensor, idx: Tensor, weights: Tensor, ffn_mask: Tensor | None, observer: RoutingObserver | None
     ) -> Tensor:
-        t, k = idx.shape
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token = order // k
-        xs = x[token]
-        pieces, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                pieces.append(self._expert(xs[start : start + n], e, ffn_mask))
-                start += n
-        ys = torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[-1])
-        if observer is not None:
-            norms = torch.empty(t * k, device=x.device, dtype=torch.float32)
-            norms[order] = ys.detach().float().norm(dim=-1)
-            observer(idx, weights.detach(), norms.view(t, k))
-        w = weights.reshape(-1)[order].to(ys.dtype)
-        return x.new_zeros(t, x.shape[-1]).index_add_(0, token, ys * w[:, None])
+        expert = lambda rows, e: self.expert(rows, e, ffn_mask)  # noqa: E731
+        return expert_loop(x, idx, weights, self.num_experts, expert, observer)
 
 
 def _view_moe(dst: nn.Module, src: nn.Module, la: LayerArch, h: int, config: HybridConfig) -> None:
@@ -220,12 +156,36 @@ class BudgetModel(HybridLM):
         self.kept_layers = kept_layers
         self.budget_mask = budget_mask
         self.name = name
+        self.plan: DecodePlan | None = None
 
-    def forward(self, input_ids: Tensor, *args: Any, mask: ModelMask | None = None, **kwargs: Any) -> CausalLMOutput:
-        """As :meth:`HybridLM.forward`; ``mask`` only when no budget mask is set (it is applied for you)."""
+    def forward(
+        self,
+        input_ids: Tensor,
+        cache: HybridCache | None = None,
+        use_cache: bool = False,
+        mask: ModelMask | None = None,
+        logits_to_keep: int = 0,
+        return_hidden: bool = False,
+        skip_logits: bool = False,
+    ) -> CausalLMOutput:
+        """As :meth:`HybridLM.forward`; ``mask`` only when no budget mask is set (it is applied for you).
+
+        A single-token cached step without a mask runs the budget's :meth:`decode_plan`.
+        """
         if mask is not None and self.budget_mask is not None:
             raise ValueError(f"budget {self.name!r} already applies its own mask; pass mask=None")
-        return super().forward(input_ids, *args, mask=mask if mask is not None else self.budget_mask, **kwargs)
+        mask = mask if mask is not None else self.budget_mask
+        if mask is None and DecodePlan.accepts(input_ids, cache, None, skip_logits):
+            return self.decode_plan()(input_ids, cache, return_hidden)
+        return super().forward(input_ids, cache, use_cache, mask, logits_to_keep, return_hidden, skip_logits)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """This budget's :class:`~model.decode.plan.DecodePlan` (built once), or None under a budget mask."""
+        if self.budget_mask is not None:
+            return None
+        if self.plan is None:
+            self.plan = DecodePlan(self)
+        return self.plan
 
     def save_pretrained(self, path: str | Path, **kwargs) -> Path:
         raise TypeError(
@@ -251,8 +211,6 @@ def _sliceable(full: HybridLM) -> bool:
     for block in full.model.layers:
         mixer = block.mixer
         if block.kind == "mamba":
-            if type(mixer.in_proj) is TieredRows and type(mixer.out_proj) is TieredCols:
-                continue  # re-laid out by nest_mamba_projections: plain tensors
             linears += [mixer.in_proj, mixer.out_proj]
         elif block.kind == "attention":
             linears += [mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj]
@@ -334,32 +292,10 @@ def copied_bytes(budget: nn.Module, full: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------- registry
-def nest_parent(full: HybridLM, archs: Sequence[Architecture], depth_order: Sequence[int] | None = None) -> bool:
-    """Re-lay ``full``'s Mamba projections out tier by tier for the budgets ``archs``, in place
-    (:func:`model.nested_layout.nest_mamba_projections`). Returns whether any layer changed.
-
-    Afterwards ``full`` computes what it did and serves views of exactly these budgets' Mamba head counts;
-    it is no longer a plain parent to slice, permute, quantize or save.
-    """
-    config = full.config
-    keep: dict[int, set[int]] = {}
-    for arch in archs:
-        for la in arch.resolve(config, None, depth_order).kept:
-            if la.kind == "mamba":
-                keep.setdefault(la.index, set()).add(la.mamba_heads // config.n_groups)
-    changed = False
-    for index, ks in keep.items():
-        changed |= nest_mamba_projections(full.model.layers[index].mixer, config, ks)
-    return changed
-
-
 class BudgetRegistry:
     """One parent in memory and a :class:`BudgetModel` per budget, largest (by active params) first.
 
     ``get(name)`` returns the budget's model; unknown names raise ``ValueError`` listing the valid ones.
-    ``nested=True`` first re-lays the parent's Mamba projections out tier by tier for these budgets
-    (:func:`nest_parent`): every budget's Mamba rows become one prefix of one weight copy (faster one-row
-    GEMVs), and the parent is then for serving these budgets only.
     """
 
     def __init__(
@@ -368,12 +304,10 @@ class BudgetRegistry:
         budgets: Mapping[str, Architecture],
         depth_order: Sequence[int] | None = None,
         prefer: Mode = "view",
-        nested: bool = False,
     ) -> None:
         if not budgets:
             raise ValueError("a budget registry needs at least one budget")
         self.full = full.eval()
-        self.nested = False
         self.depth_order = list(depth_order) if depth_order is not None else None
         sized = []
         for n, a in budgets.items():
@@ -385,8 +319,6 @@ class BudgetRegistry:
         sized.sort(key=lambda t: -t[2])  # stable: equal sizes keep the given order
         self.architectures = {n: a for n, a, _ in sized}
         self.active_params = {n: p for n, _, p in sized}
-        if nested and prefer == "view" and _sliceable(full):
-            self.nested = nest_parent(full, list(self.architectures.values()), self.depth_order)
         self._models = {n: budget_model(full, a, self.depth_order, prefer=prefer, name=n) for n, a, _ in sized}
 
     @property
@@ -416,7 +348,6 @@ class BudgetRegistry:
         path: str | Path,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
-        nested: bool = False,
     ) -> BudgetRegistry:
         """Load a checkpoint folder once; budgets from its ``elastic`` section, or one budget ``"full"``."""
         from model.elastic.export import read_elastic
@@ -433,6 +364,6 @@ class BudgetRegistry:
         if device is not None:
             full = full.to(device)
         if "elastic" not in raw:
-            return cls(full, {"full": Architecture()}, nested=nested)
+            return cls(full, {"full": Architecture()})
         info = read_elastic(folder)
-        return cls(full, info.architectures, info.depth_order, nested=nested)
+        return cls(full, info.architectures, info.depth_order)

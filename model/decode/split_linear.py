@@ -69,11 +69,9 @@ def _block_view(t: Tensor, dim: int, group: tuple[int, int, int, int]) -> Tensor
 
 _SPAN_MIN_KEPT = 0.5
 """Kept share of the rows a :class:`RowSplitLinear`'s blocks span from which one input row takes one GEMV
-over the whole span and a gather of the kept outputs. One-row products are memory-bound: with the parent
-stored inputs-major, the span is one block of long rows, while the kept blocks are short strided runs.
-Cold, on an in_proj-like (4640, 1024) weight, 75% / 50% kept ran 1.40x / 1.18-1.31x faster through the
-span, 25% kept 0.93x (``benchmarks/bench_budget_decode.py --gemv``). With 16 rows and more, products are
-compute-bound and the blocks, which do less arithmetic, stay the path."""
+over the whole span and a gather of the kept outputs. A one-row product is memory-bound: with the parent
+stored inputs-major the span is one block of long rows, while the kept blocks are short strided runs.
+With several rows the product is compute-bound and the blocks, which do less arithmetic, stay the path."""
 
 
 class RowSplitLinear(nn.Module):

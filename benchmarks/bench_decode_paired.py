@@ -1,0 +1,311 @@
+"""Paired whole-step decode benchmark: one served configuration under several code versions or variants.
+
+Each SIDE is a source tree (this checkout, or a copy of an older one, e.g. ``git archive HEAD | tar -x -C
+DIR``) and optionally a VARIANT of this checkout that turns one piece of decode machinery off
+(:data:`VARIANTS`). Every side runs in its own worker process, with its own ``model`` package, and serves
+the same budgets the way serving does: ``BudgetRegistry.from_checkpoint`` (views of one parent; an older
+checkout's registry with ``nested=True``, as its server built it), each cached single-token step through
+the budget model's forward. A case is (budget, batch, dtype): a fresh
+``--prompt``-token prefill of ``batch`` rows, then ``--steps`` timed steps after 2 untimed ones; a round's
+figure for a case is its fastest step (other processes only ever add time). Each step is timed twice: by
+the wall clock and by the thread's CPU time (``time.thread_time``; with one torch thread the whole step
+runs on the calling thread), which leaves out the time the step waits for a core on a shared machine.
+Rounds are interleaved: in every round each case runs once on every side, one side at a time, in an order
+reversed every other round, so a slow phase of the machine weighs on all sides alike.
+
+Reported per case, side and clock: the median over rounds of the round figures (ms/step), and the ratio
+side / first side taken round by round, as its median and interquartile range. The rule the decode package
+follows: a piece of speed machinery stays when switching it off makes some served case at least 5% slower
+(ratio >= 1.05 against the full plan). The load average is printed at the start and at the end.
+
+    python benchmarks/bench_decode_paired.py --side before=/tmp/decode-before --side after=. \\
+        --json runs/bench_decode_paired.json
+    python benchmarks/bench_decode_paired.py --side plan=. --side linear=.:plain_linear --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CHECKPOINT = REPO / "runs" / "demo" / "export" / "nested"
+LARGE = dict(  # bench_budget_decode.py's ~120M-parameter shape, where weights dominate a step
+    vocab_size=32000, hidden_size=1024, pattern="M*EMEM-E", num_attention_heads=16, num_key_value_heads=4,
+    head_dim=64, intermediate_size=4096, mamba_num_heads=32, mamba_head_dim=64, n_groups=4, ssm_state_size=64,
+    chunk_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+    moe_shared_expert_intermediate_size=2048,
+)  # fmt: skip
+LARGE_BUDGETS = {
+    "full": {},
+    "medium": dict(hidden=768, mamba_heads=24, moe_ffn=768, shared_ffn=1536, mlp_ffn=3072, experts=6),
+    "small": dict(hidden=512, mamba_heads=16, moe_ffn=512, shared_ffn=1024, mlp_ffn=2048, experts=4),
+}
+
+
+# ---------------------------------------------------------------------- variants (worker side)
+def _patch(name: str) -> None:
+    """Switch one piece of this checkout's decode machinery off (before any model is built)."""
+    import torch.nn.functional as F
+
+    from model.decode import budget_view, layers, plan, split_linear
+
+    if name == "reference":  # no plan at all: every step is the layers' own forward
+        plan.DecodePlan.accepts = staticmethod(lambda *args, **kwargs: False)
+    elif name == "plain_linear":  # projections called as modules, residual added after
+
+        def linear(module, x, residual=None):
+            out = module(x)
+            return out if residual is None else residual + out
+
+        layers.linear = plan.linear = linear
+    elif name == "plain_norm":  # F.rms_norm for float32 rows too
+        norm = lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps)  # noqa: E731
+        layers.rms_norm = plan.rms_norm = norm
+    elif name.startswith("ref_"):  # one layer kind through its reference forward
+        layers.STEPS[name[4:]] = layers.ReferenceStep
+    elif name == "no_inplace_ssm":
+        step = layers.ssd_step
+        layers.ssd_step = lambda *args: step(*args[:7], False)
+    elif name == "no_broadcast_attention":
+        layers.use_broadcast = lambda q, work: False
+    elif name == "no_span":  # split projections: always the blocks, never one GEMV over the span
+        split_linear._SPAN_MIN_KEPT = float("inf")
+    elif name == "split_per_run":  # split projections: one GEMM per run, no strided batched views
+        split_linear.regular_groups = lambda blocks: [(s, n, 0, 1) for s, n in blocks]
+    elif name == "rows_major":  # the parent left (out, in) row-major: input prefixes are strided
+        budget_view.store_inputs_major = lambda full: None
+    else:
+        raise SystemExit(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
+
+
+VARIANTS = {
+    "reference": "no decode plan: the layers' forward for every step",
+    "plain_linear": "projections called as modules; the residual added after the GEMM",
+    "plain_norm": "F.rms_norm instead of the vector_norm form for float32 rows",
+    "ref_mamba": "Mamba layers through their reference step",
+    "ref_attention": "attention layers through their reference forward",
+    "ref_moe": "MoE layers through their reference forward (no host-side routing of one token)",
+    "ref_mlp": "MLP layers through their reference forward",
+    "no_inplace_ssm": "the SSM state written to a new tensor every step",
+    "no_broadcast_attention": "scaled_dot_product_attention at any size and thread count",
+    "no_span": "split projections never take one GEMV over the kept rows' span",
+    "split_per_run": "split projections as one GEMM per run of rows, no strided batched views",
+    "rows_major": "budget views of a parent left row-major (no store_inputs_major)",
+}
+
+
+# ---------------------------------------------------------------------- worker
+def _worker(tree: str, variant: str, args: argparse.Namespace) -> None:
+    """Serve ``run`` requests (JSON lines on stdin) for the budgets of one side; answer with step seconds."""
+    sys.path.insert(0, tree)
+    import torch
+
+    import model
+
+    if not Path(model.__file__).resolve().is_relative_to(Path(tree).resolve()):
+        raise SystemExit(f"worker for {tree} imported model from {model.__file__}")
+    if variant:
+        _patch(variant)
+    try:
+        from model.decode.budget_view import BudgetRegistry
+    except ImportError:  # an older checkout
+        from model.budget_view import BudgetRegistry
+    # as serving built it: an older checkout's registry laid the parent out for its budgets (nested=True)
+    served = {"nested": True} if "nested" in inspect.signature(BudgetRegistry).parameters else {}
+    torch.set_num_threads(args.threads)
+    if args.large:  # random weights, the same in every worker
+        from model.config import HybridConfig
+        from model.elastic import Architecture
+        from model.hybrid import HybridLM
+
+        archs = {name: Architecture(**kw) for name, kw in LARGE_BUDGETS.items()}
+        parents = {d: HybridLM(HybridConfig(**LARGE)).init_weights(0).eval().to(getattr(torch, d)) for d in args.dtype}
+        registries = {d: BudgetRegistry(parent, archs, **served) for d, parent in parents.items()}
+    else:
+        registries = {
+            d: BudgetRegistry.from_checkpoint(args.checkpoint, dtype=getattr(torch, d), **served) for d in args.dtype
+        }
+    vocab = registries[args.dtype[0]].full.config.vocab_size
+    print(json.dumps({"ready": True, "model": str(Path(model.__file__).parent)}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        budget = registries[req["dtype"]].get(req["budget"])
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (req["batch"], args.prompt), generator=g)
+        times: dict[str, list[float]] = {"wall": [], "cpu": []}
+        with torch.no_grad():
+            out = budget(ids, use_cache=True, logits_to_keep=1)
+            cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            for i in range(2 + args.steps):
+                wall, cpu = time.perf_counter(), time.thread_time()
+                out = budget(tok, cache=cache)
+                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                if i >= 2:
+                    times["wall"].append(wall)
+                    times["cpu"].append(cpu)
+        print(json.dumps(times), flush=True)
+
+
+# ---------------------------------------------------------------------- coordinator
+class Side:
+    """One worker process: a tree and a variant."""
+
+    def __init__(self, spec: str, argv: list[str]) -> None:
+        name, _, where = spec.partition("=")
+        tree, _, variant = where.partition(":")
+        if not name or not tree:
+            raise SystemExit(f"--side {spec!r}: expected NAME=TREE or NAME=TREE:VARIANT")
+        if variant and variant not in VARIANTS:
+            raise SystemExit(f"--side {spec!r}: unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+        self.name, self.tree, self.variant = name, str(Path(tree).resolve()), variant
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", self.tree, variant, *argv]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.model = self._read()["model"]
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"side {self.name}: worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, case: dict[str, Any]) -> dict[str, list[float]]:
+        """Per clock (``wall``, ``cpu``), the seconds of each timed step of ``case``."""
+        self.proc.stdin.write(json.dumps(case) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]
+
+
+def run(args: argparse.Namespace, worker_argv: list[str]) -> dict[str, Any]:
+    from benchmarks.common import load_average, machine_info
+
+    load_start = load_average()
+    sides = [Side(spec, worker_argv) for spec in args.side]
+    cases = [{"budget": b, "batch": n, "dtype": d} for d in args.dtype for n in args.batch for b in args.budgets]
+    clocks = ("cpu", "wall")
+    figures = {(i, s.name, c): [] for i in range(len(cases)) for s in sides for c in clocks}
+    try:
+        for round_ in range(args.rounds):
+            order = sides if round_ % 2 == 0 else sides[::-1]
+            for i, case in enumerate(cases):
+                for side in order:
+                    times = side.run(case)
+                    for c in clocks:
+                        figures[i, side.name, c].append(min(times[c]))
+            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for side in sides:
+            side.close()
+    load_end = load_average()
+    results = [
+        {**case, "side": side.name, **{c: {"rounds_s": figures[i, side.name, c]} for c in clocks}}
+        for i, case in enumerate(cases)
+        for side in sides
+    ]
+    print(f"load average at start {load_start}, at end {load_end}; {args.threads} torch thread(s), "
+          f"{args.rounds} rounds, fastest of {args.steps} steps per round")  # fmt: skip
+    for side in sides:
+        note = f" (variant {side.variant}: {VARIANTS[side.variant]})" if side.variant else ""
+        print(f"  {side.name}: {side.model}{note}")
+    return {
+        "command": " ".join(sys.argv),
+        "machine": machine_info(args.threads),
+        "load_average": {"start": load_start, "end": load_end},
+        "sides": [{"name": s.name, "tree": s.tree, "variant": s.variant} for s in sides],
+        "results": results,
+    }
+
+
+def report(payload: dict[str, Any], baseline: str | None = None) -> str:
+    """The table of a run: per case and side, median ms/step and the paired ratio to ``baseline`` (default:
+    the first side), per clock; ``>= 1.05`` in the CPU column marks a side at least 5% slower."""
+    from benchmarks.common import format_table
+
+    names = [s["name"] for s in payload["sides"]]
+    base = baseline or names[0]
+    if base not in names:
+        raise SystemExit(f"--baseline {base!r}: not a side of this run; sides {names}")
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in payload["results"]:
+        by_case.setdefault((r["budget"], r["batch"], r["dtype"]), {})[r["side"]] = r
+    rows = []
+    for (budget, batch, dtype), sides in by_case.items():
+        for name in names:
+            row = [budget, batch, dtype, name]
+            for clock in ("cpu", "wall"):
+                mine, ref = sides[name][clock]["rounds_s"], sides[base][clock]["rounds_s"]
+                lo, mid, hi = _quartiles([a / b for a, b in zip(mine, ref, strict=True)])
+                row += [f"{statistics.median(mine) * 1e3:.3f}", f"{mid:.3f} ({lo:.3f}-{hi:.3f})"]
+            row.append("slower >= 5%" if name != base and float(row[5].split()[0]) >= 1.05 else "")
+            rows.append(row)
+    headers = ["budget", "batch", "dtype", "side", "CPU ms/step", f"CPU / {base} (IQR)", "wall ms/step",
+               f"wall / {base} (IQR)", "CPU verdict"]  # fmt: skip
+    return format_table(headers, rows)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", action="append", default=[], help="NAME=TREE[:VARIANT]; the first is the baseline")
+    ap.add_argument("--checkpoint", type=Path, default=DEMO_CHECKPOINT, help="a nested checkpoint folder")
+    ap.add_argument("--large", action="store_true", help="a random ~120M-parameter parent (LARGE) instead")
+    ap.add_argument("--budgets", nargs="+", default=["full", "medium", "small"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per case and round")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report", type=Path, default=None, help="print the table of a saved --json run instead")
+    ap.add_argument("--baseline", default=None, help="the side ratios are taken against (default: the first)")
+    ap.add_argument("--worker", nargs=2, metavar=("TREE", "VARIANT"), help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.worker:
+        _worker(args.worker[0], args.worker[1], args)
+        return None
+    sys.path.insert(0, str(REPO))
+    if args.report is not None:
+        print(report(json.loads(args.report.read_text(encoding="utf-8")), args.baseline))
+        return None
+    if len(args.side) < 2:
+        raise SystemExit("give at least two --side NAME=TREE[:VARIANT]")
+    shared = ["--checkpoint", str(args.checkpoint.resolve()), "--prompt", str(args.prompt), "--steps",
+              str(args.steps), "--threads", str(args.threads), "--dtype", *args.dtype]  # fmt: skip
+    if args.large:
+        shared.append("--large")
+    payload = run(args, shared)
+    print(report(payload, args.baseline))
+    if args.json is not None:
+        from benchmarks.common import save_json
+
+        save_json(args.json, payload)
+        print(f"wrote {args.json}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
