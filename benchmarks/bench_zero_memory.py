@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import socket
 import statistics
 import subprocess
@@ -126,14 +127,21 @@ def run_worker(args: argparse.Namespace) -> None:
     import deepspeed
 
     from components.data import TextTokenizer, derive_seed, make_data_batch
-    from components.distill import ckpt
+    from components.distill import ckpt, heap
     from components.distill import worker as W
     from components.distill.config import DistillConfig
     from model.checkpoint import read_config
     from model.elastic.params import count_params
 
+    heap_cfg = heap.HostHeapConfig.model_validate_json(args.heap or "{}")
+    heap.apply(heap_cfg)
     if args.release_large_blocks:
         release_large_blocks()
+    if args.zero3_extra:
+        from components.distill import zero3
+
+        base_settings = zero3.zero3_settings
+        zero3.zero3_settings = lambda c, **k: {**base_settings(c, **k), **json.loads(args.zero3_extra)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -159,7 +167,33 @@ def run_worker(args: argparse.Namespace) -> None:
     tokenizer = TextTokenizer.load(parent)
     counts = count_params(model_config)
     stream_seed = derive_seed("distill", cfg.seed, cfg.phase)
-    times, kds = [], []
+    times, kds, cpu_s, sys_s, faults = [], [], [], [], []
+    phases: dict[str, list[float]] = {}
+    overall = [peak_bytes()]
+    trim_phase = heap_cfg.trim == "phase"
+
+    def mark(name: str) -> None:
+        """End of a phase: record its resident peak and the heap's state, then restart the high-water mark."""
+        peak = peak_bytes()
+        overall.append(peak)
+        info = heap.mallinfo()
+        row = phases.setdefault(name, [])
+        row.append((peak - baseline, rss_bytes() - baseline, info.get("fordblks", 0), info.get("hblkhd", 0)))
+        if trim_phase or (heap_cfg.trim == "micro_step" and name == "step"):
+            heap.trim()
+        reset_peak()
+
+    class Traced:
+        def __init__(self, inner):
+            self.inner = inner
+            self.module = getattr(inner, "module", inner)
+
+        def __call__(self, *a, **k):
+            out = self.inner(*a, **k)
+            mark("teacher forward")
+            return out
+
+    teacher = Traced(teacher)
     import cProfile
     import pstats
 
@@ -168,6 +202,7 @@ def run_worker(args: argparse.Namespace) -> None:
         if profile is not None and step == 1:
             profile.enable()
         start = time.perf_counter()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
         factor = W.lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         for group, base in zip(engine.optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * factor
@@ -183,24 +218,39 @@ def run_worker(args: argparse.Namespace) -> None:
             cfg.depth_order, cfg.dead_zone, counts.total,
             W.draw_hard_sample(cfg.seed, cfg.phase, step, 0, cfg.router.hard_sample_prob), cfg.kd_chunk_tokens,
         )  # fmt: skip
+        mark("student forward + loss")
         engine.backward(loss)
+        mark("backward")
         engine.step()
+        mark("step")
         reduced = kd.detach().double().reshape(1)
         dist.all_reduce(reduced)
         kds.append(reduced.item() / world)
         times.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu_s.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
+        sys_s.append(after.ru_stime - usage.ru_stime)
+        faults.append(after.ru_minflt - usage.ru_minflt)
+        if os.environ.get("BENCH_MALLOC_INFO") and step == cfg.steps - 1:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6")
+            libc.fopen.restype = ctypes.c_void_p
+            fp = libc.fopen(f"{os.environ['BENCH_MALLOC_INFO']}/mi_z{cfg.zero_stage}_r{rank}.xml".encode(), b"w")
+            libc.malloc_info(0, ctypes.c_void_p(fp))
+            libc.fclose(ctypes.c_void_p(fp))
         if profile is not None and step == 1:
             profile.disable()
             with open(out / "profile.txt", "w") as fh:
                 pstats.Stats(profile, stream=fh).sort_stats("tottime").print_stats(15)
-    peak_train = peak_bytes()
+    peak_train = max(overall)
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         state = ckpt.TrainState(next_step=cfg.steps, world_size=world, zero_stage=cfg.zero_stage)
         t1 = time.perf_counter()
         ckpt.save_checkpoint(engine, Path(tmp), rank, state)
         save_s = time.perf_counter() - t1
         shard_bytes = sum(p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file())
-    peak_all = peak_bytes()
+    peak_all = max(peak_train, peak_bytes())
     comm = collective_seconds_per_gb(dist)
     result = {
         "rank": rank,
@@ -213,9 +263,13 @@ def run_worker(args: argparse.Namespace) -> None:
         "collective_s_per_gb": comm,
         "build_s": build_s,
         "step_s": times,
+        "cpu_s": cpu_s,
+        "sys_s": sys_s,
+        "minor_faults": faults,
         "kd": kds,
         "save_s": save_s,
         "shard_bytes": shard_bytes,
+        "phases": phases,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     dist.barrier()
@@ -277,6 +331,7 @@ def run_stage(parent: Path, stage: int, args: argparse.Namespace, work: Path) ->
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "benchmarks.bench_zero_memory", "--worker", "--config", str(config), "--out", str(out)]
     cmd += ["--release-large-blocks"] * args.release_large_blocks + ["--profile"] * args.profile
+    cmd += ["--heap", args.heap, "--zero3-extra", args.zero3_extra]
     procs = [
         subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
@@ -300,15 +355,12 @@ def read_profile(work: Path, stage: int) -> str:
 
 
 def planned(parent: Path, stage: int, args: argparse.Namespace) -> Any:
-    """The plan of the measured shape on 2 CPU ranks in float32."""
+    """The plan of the measured runs' DistillConfig on 2 CPU ranks (float32)."""
+    from components.distill.config import DistillConfig
     from components.plan import PhaseShape, PlanHardware, plan_phase
     from model.checkpoint import read_config
 
-    shape = PhaseShape(
-        name=f"zero{stage}", steps=args.steps, seq_len=args.seq_len, micro_batch_size=args.micro_batch,
-        num_workers=2, zero_stage=stage, bf16=False, activation_checkpointing=args.checkpointing,
-        kd_chunk=max(args.kd_chunk, 1),
-    )  # fmt: skip
+    shape = PhaseShape.of(f"zero{stage}", DistillConfig(**distill_settings(parent, Path("plan"), stage, args)))
     hw = PlanHardware(gpus=2, gpu_mem_gb=1000.0, device="cpu", gpus_per_node=2, host_overhead_gb=0.0)
     return plan_phase(read_config(parent)[0], shape, hw)
 
@@ -331,6 +383,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_zero_memory")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--heap", default="", help="HostHeapConfig JSON applied by the workers")
+    ap.add_argument("--zero3-extra", default="", help="JSON merged into the ZeRO-3 settings")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -364,6 +418,11 @@ def main(argv: list[str] | None = None) -> None:
                 "profile": read_profile(Path(tmp), stage),
             }
             for r in ranks:
+                print(
+                    f"ZeRO-{stage} rank {r['rank']}: cpu s/step {[round(x, 2) for x in r['cpu_s']]}, sys "
+                    f"{[round(x, 2) for x in r['sys_s']]}, faults {r['minor_faults']}, "
+                    f"wall {[round(x, 2) for x in r['step_s']]}"
+                )
                 steps = r["step_s"][1:] or r["step_s"]
                 rows.append((stage, r["rank"], r["baseline_bytes"] / GB, r["after_build_bytes"] / GB,
                              r["peak_train_bytes"] / GB, r["peak_bytes"] / GB, plan.total_bytes / GB,
@@ -390,6 +449,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\ngloo collectives between the two workers, seconds per GB of the full tensor: "
           + ", ".join(f"{k} {v:.2f}" for k, v in comm.items()))  # fmt: skip
     for stage, res in results.items():
+        print(f"\nZeRO-{stage} rank 0 by phase (GB above baseline; max over steps): peak / resident after / "
+              "free in heap / own mappings")  # fmt: skip
+        for name, rows in res["ranks"][0]["phases"].items():
+            print(f"  {name:24s} " + " / ".join(f"{max(r[i] for r in rows) / GB:.2f}" for i in range(4))
+                  + "   per step peak: " + ", ".join(f"{r[0] / GB:.2f}" for r in rows))  # fmt: skip
         if res.get("profile"):
             print(f"\nrank 0, second step, ZeRO-{stage} (cProfile, by own time):\n{res['profile']}")
         print(f"\nplan, ZeRO-{stage}: " + ", ".join(f"{i['name']} {i['gb']:.3f}" for i in res["plan_items"]))

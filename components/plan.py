@@ -30,8 +30,12 @@ teacher's gathered layers are counted although ZeRO-3 releases them after the te
 Time: FLOPs per token are ``2 N`` for the teacher's forward and ``6 N`` for the student's forward and
 backward (``8 N`` with checkpointing: one more forward), ``N`` the matmul parameters one token uses
 (the active count without the embedding), plus causal attention ``4 T d_attn`` per attention layer
-forward and the SSD scan's state products per Mamba layer. Step time is the FLOPs of one rank over
-``peak_tflops x utilization``.
+forward and the SSD scan's state products per Mamba layer; compute time is the FLOPs of one rank over
+``peak_tflops x utilization``. ZeRO's collectives add their bytes over ``interconnect_gbps``
+(:func:`comm_bytes_per_step`): at ZeRO-3 every micro-step gathers the teacher once and the student twice
+and reduce-scatters its gradients, 4 x the model's bytes per rank, whatever the number of tokens, which
+for a sparse MoE parent (all experts gathered, few active per token) can outweigh the compute. The step
+time is their sum (no overlap assumed).
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from model.elastic.params import count_params
 from model.mamba import _cpu_chunk_size
 
 GB = 1e9
+ALLREDUCE_BUCKET = 500_000_000
+"""Elements DeepSpeed's data-parallel engine (ZeRO-0) flattens into one buffer to all-reduce gradients."""
 _KIND_CHAR = {"mamba": "M", "attention": "*", "moe": "E", "mlp": "-"}
 
 
@@ -68,6 +74,13 @@ class PlanHardware(_Strict):
     host_overhead_gb: float = Field(
         6.0, ge=0, description="Host memory of one rank's process before any model (CUDA context, torch, Ray)."
     )
+    interconnect_gbps: float = Field(
+        400.0,
+        gt=0,
+        description="Network bandwidth of one rank in Gb/s for ZeRO's collectives (400: one InfiniBand NDR "
+        "adapter per GPU, as in H100 nodes; ranks of one node share NVLink, but a ring over every node runs at "
+        "the slowest link).",
+    )
 
 
 class PhaseShape(_Strict):
@@ -81,11 +94,18 @@ class PhaseShape(_Strict):
     num_workers: int = Field(ge=1, description="Data-parallel ranks the phase asks for.")
     zero_stage: Literal[0, 1, 2, 3] = Field(description="DeepSpeed ZeRO stage.")
     bf16: bool = Field(description="bf16 weights and activations (else float32).")
-    activation_checkpointing: bool = Field(True, description="Per-block activation checkpointing.")
-    kd_chunk: int = Field(1024, ge=1, description="Token rows per chunk of the KD loss.")
+    activation_checkpointing: bool = Field(False, description="Per-block activation checkpointing.")
+    kd_chunk_tokens: int = Field(
+        1024, ge=0, description="Token rows per chunk of the KD loss (0: the reference loss on full logits)."
+    )
     live_layers: int = Field(
         2, ge=1, description="Gathered layers one ZeRO-3 engine holds at once (the computing one + prefetch)."
     )
+
+    @classmethod
+    def of(cls, name: str, config: Any) -> PhaseShape:
+        """The shape of ``config`` (a DistillConfig, or anything with its field names) under ``name``."""
+        return cls(name=name, **{f: getattr(config, f) for f in cls.model_fields if f not in ("name", "live_layers")})
 
 
 class MemoryItem(_Strict):
@@ -113,7 +133,13 @@ class PhasePlan(_Strict):
     tokens_per_step: int = Field(description="Tokens of one optimizer step over all ranks.")
     tokens: int = Field(description="Tokens of the whole phase.")
     flops_per_token: float = Field(description="Teacher forward + student forward and backward (+ recompute).")
-    step_time_s: float = Field(description="Seconds per step at the stated utilization.")
+    compute_time_s: float = Field(description="Seconds of FLOPs per step at the stated utilization.")
+    comm_bytes_per_step: float = Field(description="Bytes one rank sends in ZeRO's collectives per step.")
+    comm_time_s: float = Field(description="Seconds of those collectives per step at interconnect_gbps.")
+    step_time_s: float = Field(
+        description="compute_time_s + comm_time_s: no overlap assumed (DeepSpeed prefetches the next layer while "
+        "one computes, so a step can be as short as the larger of the two)."
+    )
     hours: float = Field(description="Wall-clock hours of the phase.")
     gpu_hours: float = Field(description="Accelerator hours of the phase.")
 
@@ -274,6 +300,14 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
             (phase.live_layers + 1) * big_layer * a,
             f"({phase.live_layers} gathered + 1 layer's gradient before reduce-scatter) x {big_layer:,} params x {a} B",
         )
+    if stage == 0:
+        flat = min(p_total, ALLREDUCE_BUCKET)
+        add(
+            "gradient all-reduce buffer",
+            flat * a,
+            f"DeepSpeed flattens the gradients into buckets of up to {ALLREDUCE_BUCKET:.0e} elements to all-reduce "
+            f"them: {flat:,} x {a} B",
+        )
     acts = activation_bytes(config, tokens, phase.seq_len, a, hw.device)
     ckpt_bytes = acts["inputs"] + 2 * acts["largest_block"] + acts["head"]
     full_bytes = acts["inputs"] + acts["blocks"] + acts["largest_block"] + acts["head"]
@@ -292,9 +326,14 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
             note=full_note if phase.activation_checkpointing else ckpt_note,
         )
     ]
-    chunk = min(phase.kd_chunk, tokens)
-    kd = chunk * config.vocab_size * (12 + 1 + 2 * a) + vh * (4 + a) + tokens * config.hidden_size * 2 * a
-    kd_note = f"{chunk} x {config.vocab_size:,} chunk, lm_head grad (fp32 + {a} B), teacher hidden + hidden grad"
+    if phase.kd_chunk_tokens == 0:
+        # the reference loss: student and teacher logits, then float32 log-softmaxes, probabilities and products
+        kd = tokens * config.vocab_size * (2 * a + 5 * 4) + vh * a + tokens * config.hidden_size * 2 * a
+        kd_note = f"reference loss: {tokens:,} x {config.vocab_size:,} logits x (2 x {a} B + 5 fp32), lm_head grad"
+    else:
+        chunk = min(phase.kd_chunk_tokens, tokens)
+        kd = chunk * config.vocab_size * (12 + 1 + 2 * a) + vh * (4 + a) + tokens * config.hidden_size * 2 * a
+        kd_note = f"{chunk} x {config.vocab_size:,} chunk, lm_head grad (fp32 + {a} B), teacher hidden + hidden grad"
     if sharded:
         kd += 2 * vh * a
         kd_note += ", both lm_heads gathered"
@@ -324,7 +363,10 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
     host_total = sum(i.bytes for i in host_items)
 
     flops = flops_per_token(config, phase.seq_len, phase.activation_checkpointing)
-    step_s = flops["total"] * tokens * phase.grad_accum_steps / (hw.peak_tflops * 1e12 * hw.utilization)
+    compute_s = flops["total"] * tokens * phase.grad_accum_steps / (hw.peak_tflops * 1e12 * hw.utilization)
+    comm = comm_bytes_per_step(p_total * a, world, stage, phase.grad_accum_steps)
+    comm_s = comm / (hw.interconnect_gbps * 1e9 / 8)
+    step_s = compute_s + comm_s
     tokens_per_step = world * tokens * phase.grad_accum_steps
     return PhasePlan(
         name=phase.name,
@@ -341,10 +383,30 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
         tokens_per_step=tokens_per_step,
         tokens=tokens_per_step * phase.steps,
         flops_per_token=flops["total"],
+        compute_time_s=compute_s,
+        comm_bytes_per_step=comm,
+        comm_time_s=comm_s,
         step_time_s=step_s,
         hours=step_s * phase.steps / 3600,
         gpu_hours=step_s * phase.steps * world / 3600,
     )
+
+
+def comm_bytes_per_step(model_bytes: float, world: int, stage: int, micro_steps: int) -> float:
+    """Bytes one rank sends per optimizer step in ZeRO's collectives (ring algorithms: a rank sends
+    ``(world - 1) / world`` of the full tensor in an all-gather or a reduce-scatter, twice that in an all-reduce).
+
+    * ZeRO-3, every micro-step: the teacher's layers gathered for its forward, the student's gathered for its
+      forward and again for its backward, and its gradients reduce-scattered: 4 x the model's bytes.
+    * ZeRO-2, every micro-step: the gradients reduce-scattered; per step the updated weights all-gathered.
+    * ZeRO-0 and 1, per step: the gradients all-reduced (ZeRO-1: reduce-scatter + all-gather of the weights).
+    """
+    ring = (world - 1) / world * model_bytes
+    if stage == 3:
+        return 4 * ring * micro_steps
+    if stage == 2:
+        return ring * (micro_steps + 1)
+    return 2 * ring
 
 
 def _split(partitioned: bool, world: int) -> str:
@@ -369,7 +431,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"parent: {plan.total_params / 1e9:.2f}B total / {plan.active_params / 1e9:.2f}B active parameters; "
         f"{hw.gpu_mem_gb:g} GB per accelerator, {hw.host_mem_gb:g} GB host per {hw.gpus_per_node}-rank node, "
-        f"{hw.utilization:.0%} of {hw.peak_tflops:g} TFLOPS",
+        f"{hw.utilization:.0%} of {hw.peak_tflops:g} TFLOPS, {hw.interconnect_gbps:g} Gb/s per rank for ZeRO's "
+        "collectives",
         "",
         "| per rank (GB) | " + " | ".join(f"{p.name} ({p.world} ranks)" for p in plan.phases) + " |",
         "|---|" + "---:|" * len(plan.phases),
@@ -393,7 +456,13 @@ def format_plan(plan: Plan) -> str:
     lines.append("| tokens per step | " + " | ".join(f"{p.tokens_per_step:,}" for p in plan.phases) + " |")
     lines.append("| tokens | " + " | ".join(f"{p.tokens / 1e9:.2f}B" for p in plan.phases) + " |")
     lines.append("| TFLOP per token | " + " | ".join(f"{p.flops_per_token / 1e12:.4f}" for p in plan.phases) + " |")
-    lines.append("| step time (s) | " + " | ".join(f"{p.step_time_s:.2f}" for p in plan.phases) + " |")
+    lines.append("| compute per step (s) | " + " | ".join(f"{p.compute_time_s:.2f}" for p in plan.phases) + " |")
+    lines.append(
+        "| ZeRO traffic per step (GB per rank / s) | "
+        + " | ".join(f"{p.comm_bytes_per_step / GB:,.0f} / {p.comm_time_s:.2f}" for p in plan.phases)
+        + " |"
+    )
+    lines.append("| step time (s, no overlap) | " + " | ".join(f"{p.step_time_s:.2f}" for p in plan.phases) + " |")
     lines.append(
         "| wall time (h) / GPU hours | " + " | ".join(f"{p.hours:.1f} / {p.gpu_hours:,.0f}" for p in plan.phases) + " |"
     )
@@ -422,6 +491,9 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
         out[f"{key}.fits"] = float(p.fits)
         out[f"{key}.host_total_gb"] = p.host_total_bytes / GB
         out[f"{key}.step_time_s"] = p.step_time_s
+        out[f"{key}.compute_time_s"] = p.compute_time_s
+        out[f"{key}.comm_time_s"] = p.comm_time_s
+        out[f"{key}.comm_gb_per_step"] = p.comm_bytes_per_step / GB
         out[f"{key}.hours"] = p.hours
         out[f"{key}.gpu_hours"] = p.gpu_hours
         out[f"{key}.tokens"] = float(p.tokens)

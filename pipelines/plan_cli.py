@@ -20,19 +20,32 @@ ASSETS = Path(__file__).resolve().parent / "assets" / "parent-configs"
 
 
 def add_plan_parser(sub: Any) -> None:
-    """Register the ``plan`` subcommand on the CLI's subparsers."""
+    """Register the ``plan`` subcommand on the CLI's subparsers. The hardware options fill
+    :class:`~components.plan.PlanHardware` (each option's ``dest`` is the field it sets; unset: the field's
+    default); ``--checkpointing`` / ``--kd-chunk`` override what each phase's config says."""
+    from components.plan import PlanHardware
+
+    hw = PlanHardware.model_fields
     p = sub.add_parser("plan", help="per-rank memory, fit verdict, time and tokens of every distillation phase")
     p.add_argument("config", help="pipeline YAML, e.g. pipelines/configs/real.yaml")
     p.add_argument("--gpus", type=int, help="ranks to plan for (default: each phase's num_workers)")
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="memory of one accelerator in GB (default 80)")
-    p.add_argument("--host-mem", type=float, default=960.0, help="host memory of one node in GB (default 960)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (default 8)")
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense peak per accelerator (H100: 989)")
-    p.add_argument("--utilization", type=float, default=0.4, help="fraction of the peak sustained (default 0.4)")
+    for flag, dest, kind, text in (
+        ("--gpu-mem", "gpu_mem_gb", float, "memory of one accelerator in GB"),
+        ("--host-mem", "host_mem_gb", float, "host memory of one node in GB"),
+        ("--gpus-per-node", "gpus_per_node", int, "ranks per node"),
+        ("--peak-tflops", "peak_tflops", float, "bf16 dense peak per accelerator (H100: 989)"),
+        ("--utilization", "utilization", float, "fraction of the peak sustained"),
+        ("--interconnect-gbps", "interconnect_gbps", float, "network Gb/s per rank for ZeRO's collectives"),
+    ):
+        p.add_argument(flag, dest=dest, type=kind, help=f"{text} (default {hw[dest].default:g})")
     p.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when the phases use GPUs, else cpu")
     p.add_argument("--parent-config", help="the parent's config.json (or its checkpoint folder)")
-    p.add_argument("--no-checkpointing", action="store_true", help="plan without activation checkpointing")
-    p.add_argument("--kd-chunk", type=int, default=1024, help="token rows per KD loss chunk (default 1024)")
+    p.add_argument(
+        "--checkpointing",
+        action=argparse.BooleanOptionalAction,
+        help="plan with / without activation checkpointing (default: each phase's activation_checkpointing)",
+    )
+    p.add_argument("--kd-chunk", type=int, help="token rows per KD loss chunk (default: each phase's kd_chunk_tokens)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config value (repeatable)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON ('-': print JSON instead of tables)")
     p.add_argument("--tracking-uri", help="log the plan into a new MLflow run 'plan' of the config's experiment")
@@ -86,14 +99,15 @@ def _fetch_s3_config(uri: str) -> Path | None:
         return None
 
 
-def phase_shapes(pipeline: Any, checkpointing: bool, kd_chunk: int) -> list[Any]:
-    """The plan's view of each distillation section, validated by the stage's own config class."""
-    from components.distill.config import DistillConfig
-    from components.plan import PhaseShape
+PHASES = ((1, "distill_phase1"), (2, "distill_phase2"))
 
-    shapes = []
-    for phase, name in ((1, "distill_phase1"), (2, "distill_phase2")):
-        section = dict(getattr(pipeline, name))
+
+def distill_configs(pipeline: Any) -> dict[str, Any]:
+    """Each distillation section as the stage would validate it (a DistillConfig, defaults filled in), by name."""
+    from components.distill.config import DistillConfig
+
+    configs = {}
+    for phase, name in PHASES:
         placeholders = {
             "phase": phase,
             "teacher_uri": "plan://teacher",
@@ -103,22 +117,18 @@ def phase_shapes(pipeline: Any, checkpointing: bool, kd_chunk: int) -> list[Any]
         }
         if phase == 2:
             placeholders["init_from"] = "plan://phase1"
-        cfg = DistillConfig(**{**placeholders, **section})
-        shapes.append(
-            PhaseShape(
-                name=name,
-                steps=cfg.steps,
-                seq_len=cfg.seq_len,
-                micro_batch_size=cfg.micro_batch_size,
-                grad_accum_steps=cfg.grad_accum_steps,
-                num_workers=cfg.num_workers,
-                zero_stage=cfg.zero_stage,
-                bf16=cfg.bf16,
-                activation_checkpointing=checkpointing,
-                kd_chunk=kd_chunk,
-            )
-        )
-    return shapes
+        configs[name] = DistillConfig(**{**placeholders, **dict(getattr(pipeline, name))})
+    return configs
+
+
+def phase_shapes(pipeline: Any, checkpointing: bool | None = None, kd_chunk: int | None = None) -> list[Any]:
+    """The plan's view of each distillation section: its own ``activation_checkpointing`` and
+    ``kd_chunk_tokens`` unless ``checkpointing`` / ``kd_chunk`` override them."""
+    from components.plan import PhaseShape
+
+    overrides = {"activation_checkpointing": checkpointing, "kd_chunk_tokens": kd_chunk}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return [PhaseShape.of(name, cfg).model_copy(update=overrides) for name, cfg in distill_configs(pipeline).items()]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -130,17 +140,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     pipeline = load_pipeline_config(args.config, args.set or [])
     source = parent_config_path(pipeline.parent.uri, args.parent_config)
     model_config = HybridConfig.from_json_file(source)
-    phases = phase_shapes(pipeline, not args.no_checkpointing, args.kd_chunk)
-    gpu = any(dict(getattr(pipeline, n)).get("use_gpu") for n in ("distill_phase1", "distill_phase2"))
-    hw = PlanHardware(
-        gpus=args.gpus,
-        gpu_mem_gb=args.gpu_mem,
-        host_mem_gb=args.host_mem,
-        gpus_per_node=args.gpus_per_node,
-        peak_tflops=args.peak_tflops,
-        utilization=args.utilization,
-        device=args.device or ("cuda" if gpu else "cpu"),
-    )
+    phases = phase_shapes(pipeline, args.checkpointing, args.kd_chunk)
+    gpu = any(cfg.use_gpu for cfg in distill_configs(pipeline).values())
+    given = {f: getattr(args, f) for f in PlanHardware.model_fields if getattr(args, f, None) is not None}
+    hw = PlanHardware(**{"device": "cuda" if gpu else "cpu", **given})
     plan = make_plan(model_config, phases, hw)
     data = {**plan_json(plan), "parent_config": str(source)}
     if args.json == "-":

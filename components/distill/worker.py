@@ -51,7 +51,6 @@ Design choices:
 from __future__ import annotations
 
 import math
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -64,8 +63,8 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from components.data import TextTokenizer, derive_seed, make_data_batch
-from components.distill import ckpt, zero3
-from components.distill.config import DistillConfig
+from components.distill import ckpt, heap, zero3
+from components.distill.config import DistillConfig, resolve_step_callback
 from model.checkpoint import read_config
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
@@ -241,6 +240,20 @@ def deepspeed_config(cfg: DistillConfig, world_size: int, model_config: HybridCo
     }
 
 
+def configure_host_memory(cfg: DistillConfig) -> dict[str, bool]:
+    """Apply ``cfg.host_heap`` to this process's glibc heap when the worker trains on the CPU; returns the settings
+    that took effect. Call it first thing in the worker, before the models are built: a threshold only governs
+    the blocks allocated after it is set.
+
+    CPU only: a CPU worker's gathered layers, gradients and optimizer state are glibc heap blocks, which glibc
+    keeps resident after they are freed (see :mod:`.heap`). On a GPU the CUDA caching allocator holds them and
+    reuses its own blocks, so host heap settings change nothing there but would add page faults to the host side.
+    """
+    if cfg.use_gpu:
+        return {}
+    return heap.apply(cfg.host_heap)
+
+
 def training_dtype(cfg: DistillConfig) -> torch.dtype:
     """bfloat16 when ``cfg.bf16``, else float32: the dtype of the weights, the teacher and the phase output."""
     return torch.bfloat16 if cfg.bf16 else torch.float32
@@ -326,19 +339,6 @@ def router_report(
     return out
 
 
-def _maybe_fail(cfg: DistillConfig, step: int, rank: int, world: int) -> None:
-    """Test hook: the last rank dies at ``fail_at_step`` on the first attempt (a marker file stops it later)."""
-    if cfg.fail_at_step is None or step != cfg.fail_at_step or rank != world - 1:
-        return
-    marker = Path(cfg.output_dir) / ".fail_at_step.marker"
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"rank {rank} exited at step {step}\n")
-    print(f"[distill] fail_at_step: rank {rank} exits at step {step}", flush=True)
-    os._exit(1)
-
-
 def _fmt_eta(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
@@ -356,6 +356,8 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
     logging.getLogger().setLevel(logging.WARNING)  # Ray Train's INFO report lines would repeat on every rank
 
     cfg = DistillConfig.model_validate(raw_config)
+    configure_host_memory(cfg)
+    step_callback = resolve_step_callback(cfg.step_callback)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
@@ -417,7 +419,8 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
 
     last = {"loss": float("nan")}
     for step in range(start_step, cfg.steps):
-        _maybe_fail(cfg, step, rank, world)
+        if step_callback is not None:
+            step_callback(cfg, step, rank, world)
         factor = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
         for group, base in zip(engine.optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * factor

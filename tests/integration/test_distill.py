@@ -29,6 +29,7 @@ from model.config import HybridConfig
 from model.elastic.export import read_elastic
 from model.hybrid import HybridLM
 from tests.conftest import TINY
+from tests.integration import distill_faults
 
 pytestmark = pytest.mark.integration
 
@@ -71,13 +72,14 @@ def phase1(ray_runtime, parent_dir, tmp_path_factory):
     """Phase 1 at ZeRO-3, run once: (outputs, config, MLflow tracking URI, run id).
 
     8 steps with checkpoints after steps 3, 6 and 8; the last rank kills its own process at step
-    index 4 (after 4 steps), once; ``max_failures=1`` lets Ray Train restart the worker group. The KD
+    index 4 (after 4 steps), once (:func:`distill_faults.exit_last_rank_once`, the config's step callback);
+    ``max_failures=1`` lets Ray Train restart the worker group. The KD
     loss runs in chunks of 100 tokens (256 per rank: three chunks, the last one short).
     """
     root = tmp_path_factory.mktemp("phase1")
     uri = f"sqlite:///{root / 'mlflow.db'}"
     tracker = MlflowTracker(uri, "distill-test", run_name="phase1")
-    changes = dict(steps=8, fail_at_step=4, max_failures=1, zero_stage=3, kd_chunk_tokens=100)
+    changes = dict(steps=8, step_callback=distill_faults.CALLBACK, max_failures=1, zero_stage=3, kd_chunk_tokens=100)
     cfg = DistillConfig(**base_config(parent_dir, root / "out", activation_checkpointing=True, **changes))
     out = run_distill(cfg, tracker)
     tracker.finish()

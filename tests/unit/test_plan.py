@@ -31,7 +31,7 @@ BLOCK = 4 + 24 + 24  # 52 params: the largest layer (the vocabulary matrices hav
 
 def _phase(stage: int, bf16: bool = True, **kw) -> PhaseShape:
     base = dict(name="p", steps=10, seq_len=8, micro_batch_size=2, num_workers=4, zero_stage=stage, bf16=bf16)
-    return PhaseShape(**{**base, "kd_chunk": 4, **kw})
+    return PhaseShape(**{**base, "kd_chunk_tokens": 4, "activation_checkpointing": True, **kw})
 
 
 def _items(stage: int, bf16: bool = True, **kw) -> dict[str, float]:
@@ -49,6 +49,7 @@ def test_zero0_replicates_everything():
     assert items["student weights"] == 240 * 2
     assert items["student gradients"] == 240 * 2
     assert items["optimizer state"] == 240 * 12  # fp32 master + Adam m + v
+    assert items["gradient all-reduce buffer"] == 240 * 2  # DeepSpeed's flattened copy of every gradient
     assert "teacher gathered layers" not in items and "student gathered layers" not in items
 
 
@@ -60,6 +61,7 @@ def test_each_zero_stage_partitions_one_more_term():
     assert z3["student weights"] == 240 * 2 / 4 and z3["teacher weights"] == 240 * 2 / 4
     assert z3["teacher gathered layers"] == 2 * BLOCK * 2  # 2 live layers x 52 params x 2 bytes
     assert z3["student gathered layers"] == 3 * BLOCK * 2  # + one layer's gradient before the reduce-scatter
+    assert all("gradient all-reduce buffer" not in z for z in (z1, z2, z3))
 
 
 def test_float32_weights_have_no_master_copy():
@@ -86,6 +88,9 @@ def test_kd_chunk_term():
     # teacher hidden + hidden grad 16 x 4 x 2 x 2 = 256; at ZeRO-3 both lm_heads gathered 2 x 40 x 2 = 160
     assert _items(0)["KD logits chunk"] == 680 + 240 + 256
     assert _items(3)["KD logits chunk"] == 680 + 240 + 256 + 160
+    # the reference loss on full logits: 16 tokens x vocab 10 x (2 bf16 logits + 5 fp32) = 3840; lm_head grad
+    # 40 x 2 = 80; hidden + hidden grad 256
+    assert _items(0, kd_chunk_tokens=0)["KD logits chunk"] == 3840 + 80 + 256
 
 
 def test_layer_activation_terms_by_hand():
@@ -144,8 +149,8 @@ def test_activation_model_matches_what_autograd_keeps_on_cpu(masked):
 
 
 def test_verdict_names_the_largest_item_and_compares_with_device_memory():
-    total = sum(_items(0).values())  # 3 x 480 + 2880 + 3008 + 1176 = 8504 bytes
-    assert total == 3 * 480 + 2880 + 3008 + 1176 == 8504
+    total = sum(_items(0).values())  # 4 x 480 + 2880 + 3008 + 1176 = 8984 bytes
+    assert total == 4 * 480 + 2880 + 3008 + 1176 == 8984
     fits = plan_phase(MLP3, _phase(0), PlanHardware(gpu_mem_gb=total / 1e9))
     assert fits.fits and fits.total_bytes == total and fits.largest == "activations (checkpointed)"
     tight = plan_phase(MLP3, _phase(0), PlanHardware(gpu_mem_gb=(total - 1) / 1e9))
@@ -158,11 +163,20 @@ def test_time_and_tokens():
     # student forward + backward + recompute 4 x 400; teacher 400 -> 2000 per token
     assert flops_per_token(MLP3, 8, checkpointing=True) == {"teacher": 400, "student": 1600, "total": 2000}
     assert flops_per_token(MLP3, 8, checkpointing=False)["total"] == 400 + 3 * 400
-    hw = PlanHardware(gpus=4, peak_tflops=1e-9, utilization=0.5)  # 1000 FLOP/s peak, 500 sustained
+    # 1000 FLOP/s peak, 500 sustained; 8e-7 Gb/s = 100 bytes/s between ranks
+    hw = PlanHardware(gpus=4, peak_tflops=1e-9, utilization=0.5, interconnect_gbps=8e-7)
     plan = plan_phase(MLP3, _phase(3), hw)
     assert plan.tokens_per_step == 4 * 2 * 8 and plan.tokens == 10 * 64
-    assert plan.step_time_s == pytest.approx(2000 * 16 / 500)
+    assert plan.compute_time_s == pytest.approx(2000 * 16 / 500)
+    # ZeRO-3: teacher gather + student gather (forward, backward) + reduce-scatter, each 3/4 of 480 bytes
+    assert plan.comm_bytes_per_step == pytest.approx(4 * 360)
+    assert plan.comm_time_s == pytest.approx(14.4)
+    assert plan.step_time_s == pytest.approx(64 + 14.4)
     assert plan.gpu_hours == pytest.approx(plan.hours * 4)
+    # per optimizer step: ZeRO-0 / 1 all-reduce once (2 x 360), ZeRO-2 reduce-scatters every micro-step and
+    # gathers the weights once, ZeRO-3 moves 4 x 360 every micro-step
+    by_stage = [plan_phase(MLP3, _phase(s, grad_accum_steps=3), hw).comm_bytes_per_step for s in (0, 1, 2, 3)]
+    assert by_stage == pytest.approx([720, 720, 4 * 360, 12 * 360])
     cfg = HybridConfig(
         vocab_size=10, hidden_size=4, pattern="*", num_attention_heads=2, num_key_value_heads=1, head_dim=2
     )
@@ -210,3 +224,35 @@ def test_cli_plans_the_real_config_and_says_it_fits(capsys):
     # the same phases on 32 ranks of 40 GB do not fit, and the exit status says so
     assert main(["plan", str(REPO / "pipelines/configs/real.yaml"), "--gpus", "32", "--gpu-mem", "40"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_cli_reads_checkpointing_and_kd_chunk_from_each_phase(capsys):
+    from pipelines.cli import main
+
+    real = str(REPO / "pipelines/configs/real.yaml")
+
+    def phases(*extra: str) -> tuple[int, list[dict]]:
+        status = main(["plan", real, "--json", "-", *extra])
+        return status, json.loads(capsys.readouterr().out)["phases"]
+
+    def item(phase: dict, prefix: str) -> dict:
+        return next(i for i in phase["items"] if i["name"].startswith(prefix))
+
+    status, (p1, p2) = phases()
+    assert status == 0
+    assert item(p1, "activations")["name"] == item(p2, "activations")["name"] == "activations (checkpointed)"
+    assert item(p1, "KD logits")["note"].startswith("1024 x 131,072 chunk")
+    # phase 1 without checkpointing: its own setting, read from the config, and it no longer fits in 80 GB
+    status, (p1, p2) = phases("--set", "distill_phase1.activation_checkpointing=false")
+    assert status == 1
+    assert item(p1, "activations")["name"] == "activations" and item(p1, "activations")["bytes"] > 70e9
+    assert item(p2, "activations")["name"] == "activations (checkpointed)"
+    status, (p1, _) = phases("--set", "distill_phase1.activation_checkpointing=false", "--checkpointing")
+    assert status == 0 and item(p1, "activations")["name"] == "activations (checkpointed)"
+    _, (_, p2) = phases("--set", "distill_phase2.kd_chunk_tokens=256")
+    assert item(p2, "KD logits")["note"].startswith("256 x 131,072 chunk")
+    # ZeRO-3 traffic per step: 4 micro-steps x 4 x 63/64 of the bf16 model (31,577,937,344 x 2 bytes), at the
+    # stated interconnect
+    _, (p1, _) = phases("--interconnect-gbps", "800")
+    assert p1["comm_bytes_per_step"] == pytest.approx(16 * 63 / 64 * 31_577_937_344 * 2)
+    assert p1["comm_time_s"] == pytest.approx(p1["comm_bytes_per_step"] / 100e9)
