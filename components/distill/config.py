@@ -42,6 +42,7 @@ PHASE2_DEFAULT_PROBS: tuple[float, ...] = (0.5, 0.3, 0.2)
 _BOOKKEEPING = {
     "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
     "checkpoint_every", "max_failures", "step_callback", "kd_chunk_tokens", "activation_checkpointing", "host_heap",
+    "zero3_gathers",
     "consolidation",
 }  # fmt: skip
 """Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
@@ -149,10 +150,17 @@ class DistillConfig(BaseModel):
         description="Recompute each student block's activations in the backward instead of keeping them "
         "(HybridLM.gradient_checkpointing): same gradients, one more block forward per block.",
     )
-    host_heap: HostHeapConfig = Field(
-        default_factory=HostHeapConfig,
-        description="glibc heap settings a CPU worker applies to itself when it starts (components.distill.heap: "
-        "mmap_threshold, arena_max, trim); GPU workers ignore them.",
+    host_heap: HostHeapConfig | None = Field(
+        None,
+        description="glibc heap settings a CPU worker applies to itself when it starts (components.distill.heap; "
+        "GPU workers ignore them). None: at ZeRO-3 the freed gathered layers are returned to the system "
+        "(mmap_threshold 131072), below ZeRO-3 glibc's defaults; {}: glibc's defaults at every stage.",
+    )
+    zero3_gathers: Literal["auto", "coalesced", "per_parameter"] = Field(
+        "auto",
+        description="How ZeRO-3 gathers a layer: 'coalesced' (DeepSpeed's default: one collective into a flat "
+        "buffer, then a copy per parameter) or 'per_parameter' (one collective per parameter, straight into its "
+        "buffer: half the memory traffic, more collectives). auto: per_parameter on CPU workers, coalesced on GPUs.",
     )
     checkpoint_every: int = Field(50, ge=1, description="Steps between Ray Train checkpoints (each costs ~1-2 s).")
     max_failures: int = Field(1, ge=-1, description="Worker-group restarts from the last checkpoint (-1: forever).")

@@ -1,21 +1,36 @@
-"""The host heap of a CPU distillation worker: glibc ``malloc`` settings and trims.
+"""The host heap of a CPU distillation worker: glibc ``malloc`` settings, applied by the worker to itself.
 
-A ZeRO-3 worker gathers and frees every layer of the teacher and the student in every micro-step. On a
-CPU the gathered copies are ordinary host allocations, and glibc keeps freed blocks below its mmap
-threshold (which it raises by itself up to 32 MB as large blocks are freed) in the heap; the freed
-gather buffers of one phase of the step then stay resident while the next phase allocates elsewhere,
-and the resident peak counts memory the process no longer uses. This module sets glibc's knobs from
-inside the process (``mallopt``) and hands free heap pages back (``malloc_trim``).
+A ZeRO-3 worker gathers and frees every layer of the teacher and of the student in every micro-step (the
+teacher once, the student for its forward and again for its backward, plus its gradients before their
+reduce-scatter): a step of a 103M-parameter float32 model on 2 ranks allocates about 9 GB (ZeRO-0: 4.6 GB;
+torch's profiler), mostly blocks of 0.1-40 MB. On a CPU these are glibc heap blocks. glibc serves a block
+from its own memory mapping (returned to the system when freed) only from its mmap threshold up, and
+raises that threshold by itself, up to 32 MB, each time such a block is freed; blocks below it come from
+the heap and stay resident after they are freed. A ZeRO-3 worker therefore ends up holding the freed
+gather buffers of earlier layers: up to 0.98 GB of free heap beside 1.25-1.45 GB of live memory in that
+measurement (``benchmarks/bench_zero_memory.py``), so what partitioning saves (ZeRO-3 / ZeRO-0: 0.54 of
+the resident peak once freed blocks are returned) shows up as 0.84-0.88.
 
-Design choices (measured by ``benchmarks/bench_zero_memory.py``; figures in RESULTS.md):
+Pinning the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc raising it) makes every block
+of that size or more a mapping of its own, so the resident peak follows the live memory. The price is a page
+fault for every page of every such block when it is first written: the kernel maps and zeroes fresh pages
+instead of reusing the heap's (measured: 1.85 million faults and 7 s of kernel time per step of that
+benchmark, about 2x ZeRO-0's step; RESULTS.md). ``host_heap: {}`` keeps glibc as it is: faster, more memory.
 
-* Applied by the worker process itself, at its start, for CPU workers only: on a GPU the tensors that
-  matter live in the CUDA caching allocator, which reuses its blocks and is not glibc's heap, so these
-  settings would only slow the host side of a GPU run.
-* Every setting is a plain ``mallopt`` / ``malloc_trim`` call: no ``LD_PRELOAD`` of another allocator
-  and no environment variable that must be set before the interpreter starts (glibc reads its
-  tunables then), so the policy travels with the config.
-* Where glibc is not the C library (musl, macOS) every call is a no-op that reports False.
+Design choices:
+
+* Only ZeRO-3 CPU workers pin the threshold by default (:func:`policy_for`, threshold
+  :data:`ZERO3_CPU_MMAP_THRESHOLD`: glibc's own starting value, kept instead of raised). Below ZeRO-3
+  nothing is gathered: the same gradient and activation blocks come back every step and the heap reuses them
+  (0.13-0.14 GB of free heap measured at ZeRO-0's peak, its backward), so returning them would cost 5x the
+  page faults to save 0.15 GB.
+* GPU workers never touch glibc: their gathered layers, gradients and activations live in the CUDA caching
+  allocator, which reuses its own blocks; a pinned host threshold would only add page faults to the host
+  side of a GPU run.
+* The worker applies the setting to itself with ``mallopt`` when it starts, before the models are built: no
+  ``LD_PRELOAD`` of another allocator and no environment variable that would have to be set before the
+  interpreter starts (glibc reads its tunables only then), so the policy travels with the config.
+* Where glibc is not the C library (musl, macOS), every call is a no-op that reports False.
 """
 
 from __future__ import annotations
@@ -23,15 +38,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# glibc's mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD = -1
-M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
+"""glibc's ``mallopt`` parameter number of the mmap threshold (``malloc.h``)."""
+
+ZERO3_CPU_MMAP_THRESHOLD = 128 * 1024
+"""Bytes from which a ZeRO-3 CPU worker's blocks get their own mapping: glibc's initial threshold, pinned."""
 
 
 class _MallInfo2(ctypes.Structure):
@@ -51,60 +66,59 @@ def _libc() -> Any:
         return None
 
 
+def _fn(name: str) -> Any:
+    libc = _libc()
+    return getattr(libc, name, None) if libc is not None else None
+
+
 class HostHeapConfig(BaseModel):
-    """glibc heap settings of a CPU worker (ignored by GPU workers)."""
+    """glibc heap settings a CPU worker applies to itself (GPU workers ignore them)."""
 
     model_config = ConfigDict(extra="forbid")
 
     mmap_threshold: int | None = Field(
         None,
         ge=0,
-        description="Bytes from which a block gets its own mapping, returned to the system when freed "
-        "(mallopt M_MMAP_THRESHOLD; also stops glibc from raising the threshold by itself). None: glibc's "
-        "dynamic threshold (128 KB, raised up to 32 MB as large blocks are freed).",
-    )
-    arena_max: int | None = Field(
-        None, ge=1, description="Most malloc arenas (mallopt M_ARENA_MAX); None: glibc's 8 per core."
-    )
-    trim: Literal["never", "micro_step", "phase"] = Field(
-        "never",
-        description="When free heap pages go back to the system (malloc_trim): never, after every micro-step, or "
-        "after each phase of a micro-step (teacher forward, student forward and loss, backward, step).",
+        description="Bytes from which a block gets its own memory mapping, returned to the system when it is freed "
+        "(mallopt M_MMAP_THRESHOLD; pinned: glibc no longer raises it). None: glibc's dynamic threshold (128 KB, "
+        "raised up to 32 MB as large blocks are freed; freed blocks below it stay resident in the heap).",
     )
 
 
-def mallopt(param: int, value: int) -> bool:
-    """glibc ``mallopt(param, value)``; False where unavailable or refused."""
-    libc = _libc()
-    fn = getattr(libc, "mallopt", None) if libc is not None else None
-    return bool(fn is not None and fn(param, value))
+def policy_for(config: HostHeapConfig | None, zero_stage: int, use_gpu: bool) -> HostHeapConfig | None:
+    """The settings a worker applies: None on a GPU; ``config`` when one is given; otherwise the ZeRO-3 CPU
+    default (threshold :data:`ZERO3_CPU_MMAP_THRESHOLD`) at ZeRO-3 and glibc's defaults (None) below it."""
+    if use_gpu:
+        return None
+    if config is not None:
+        return config
+    return HostHeapConfig(mmap_threshold=ZERO3_CPU_MMAP_THRESHOLD) if zero_stage == 3 else None
+
+
+def apply(config: HostHeapConfig | None) -> dict[str, bool]:
+    """Set this process's glibc options from ``config`` (None: nothing); returns which calls took effect."""
+    done: dict[str, bool] = {}
+    if config is not None and config.mmap_threshold is not None:
+        mallopt = _fn("mallopt")
+        done["mmap_threshold"] = bool(mallopt is not None and mallopt(M_MMAP_THRESHOLD, config.mmap_threshold))
+    return done
 
 
 def trim() -> bool:
-    """Hand the heap's free pages back to the system (glibc ``malloc_trim(0)``); False where unavailable or
-    when nothing was released."""
-    libc = _libc()
-    fn = getattr(libc, "malloc_trim", None) if libc is not None else None
-    return bool(fn is not None and fn(0))
+    """Hand the heap's free pages back to the system (glibc ``malloc_trim(0)``); False where unavailable or when
+    nothing was released. Building under ``zero.Init`` and loading tensor by tensor allocates and frees a full copy
+    of every tensor; one call after building returns what the heap kept of them (about 0.5 GB after building a
+    103M-parameter teacher and student at ZeRO-3 on 2 ranks) in milliseconds."""
+    malloc_trim = _fn("malloc_trim")
+    return bool(malloc_trim is not None and malloc_trim(0))
 
 
 def mallinfo() -> dict[str, int]:
-    """glibc's heap statistics over all arenas (``mallinfo2``): ``arena`` (heap bytes), ``hblkhd`` (bytes in
-    own mappings), ``uordblks`` (allocated heap bytes), ``fordblks`` (free heap bytes); {} where unavailable."""
-    libc = _libc()
-    fn = getattr(libc, "mallinfo2", None) if libc is not None else None
+    """glibc's heap statistics over all arenas (``mallinfo2``), in bytes: ``arena`` (heap), ``hblkhd`` (blocks in
+    their own mappings), ``uordblks`` (allocated heap), ``fordblks`` (free heap); {} where unavailable."""
+    fn = _fn("mallinfo2")
     if fn is None:
         return {}
     fn.restype = _MallInfo2
     info = fn()
     return {name: int(getattr(info, name)) for name, _ in _MallInfo2._fields_}
-
-
-def apply(config: HostHeapConfig) -> dict[str, bool]:
-    """Set the process's glibc options from ``config``; returns which calls took effect."""
-    done: dict[str, bool] = {}
-    if config.mmap_threshold is not None:
-        done["mmap_threshold"] = mallopt(M_MMAP_THRESHOLD, config.mmap_threshold)
-    if config.arena_max is not None:
-        done["arena_max"] = mallopt(M_ARENA_MAX, config.arena_max)
-    return done

@@ -34,6 +34,11 @@ Design choices:
   replicated like the student's weights. The student's ``lm_head`` is used by the loss, not called as a
   module, so it is registered as an external parameter of the trained module (DeepSpeed then gathers it
   for that module's forward and backward); the teacher's is gathered around the loss only.
+* A CPU worker at ZeRO-3 first pins glibc's mmap threshold (:func:`configure_host_memory`, :mod:`.heap`) and
+  gathers each parameter straight into its own buffer (:func:`.zero3.per_parameter_gathers`): otherwise glibc keeps
+  the freed gathered layers resident and the resident peak loses most of what partitioning saves. GPU
+  workers leave the host heap and DeepSpeed's gathers as they are.
+* The loop holds no test code: ``step_callback`` (an import path in the config) is the one way into it.
 * Every rank calls ``ray.train.report`` at the same steps (it is a barrier), each with its own
   checkpoint folder: its shard written by DeepSpeed's ``save_checkpoint`` (rank 0 adds the state); Ray
   merges the folders (:mod:`.ckpt`). A restart reads only this rank's files.
@@ -223,10 +228,12 @@ def param_groups(model: ElasticStudent, cfg: DistillConfig) -> list[dict[str, An
 
 def deepspeed_config(cfg: DistillConfig, world_size: int, model_config: HybridConfig | None = None) -> dict[str, Any]:
     """DeepSpeed engine settings: ``grad_accum_steps`` micro-batches per update, ZeRO stage and bf16 from the config,
-    clip by norm. At ZeRO-3 with ``model_config``, buckets of one layer (:func:`zero3.zero3_settings`)."""
+    clip by norm. At ZeRO-3 with ``model_config``, buckets of one layer (:func:`zero3.zero3_settings`), gathered
+    per parameter or coalesced (:func:`zero3.per_parameter_gathers`)."""
     zero = {"stage": cfg.zero_stage}
     if cfg.zero_stage == 3 and model_config is not None:
-        zero = zero3.zero3_settings(model_config)
+        per_parameter = zero3.per_parameter_gathers(cfg.zero3_gathers, cfg.use_gpu)
+        zero = zero3.zero3_settings(model_config, per_parameter=per_parameter)
     return {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "train_batch_size": cfg.micro_batch_size * world_size * cfg.grad_accum_steps,
@@ -241,17 +248,11 @@ def deepspeed_config(cfg: DistillConfig, world_size: int, model_config: HybridCo
 
 
 def configure_host_memory(cfg: DistillConfig) -> dict[str, bool]:
-    """Apply ``cfg.host_heap`` to this process's glibc heap when the worker trains on the CPU; returns the settings
-    that took effect. Call it first thing in the worker, before the models are built: a threshold only governs
-    the blocks allocated after it is set.
-
-    CPU only: a CPU worker's gathered layers, gradients and optimizer state are glibc heap blocks, which glibc
-    keeps resident after they are freed (see :mod:`.heap`). On a GPU the CUDA caching allocator holds them and
-    reuses its own blocks, so host heap settings change nothing there but would add page faults to the host side.
-    """
-    if cfg.use_gpu:
-        return {}
-    return heap.apply(cfg.host_heap)
+    """Apply this worker's glibc heap settings to its own process (:func:`heap.policy_for`: ``cfg.host_heap``, or
+    by default, on a CPU at ZeRO-3, freed gathered layers returned to the system; nothing on a GPU, whose tensors
+    live in the CUDA caching allocator). Returns the settings that took effect. Call it before the models are
+    built: a threshold governs only the blocks allocated after it is set."""
+    return heap.apply(heap.policy_for(cfg.host_heap, cfg.zero_stage, cfg.use_gpu))
 
 
 def training_dtype(cfg: DistillConfig) -> torch.dtype:
@@ -310,7 +311,7 @@ def build_engine(
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
     zero3.share_fp32_master(engine)  # float32 ZeRO-3: no second copy of the weight partitions
     ckpt.install_safe_loader(engine)
-    zero3.trim_host_heap()  # the copies made while building and loading are freed; give them back
+    heap.trim()  # the copies made while building and loading are freed; give them back
     return engine, base_lrs
 
 

@@ -57,15 +57,18 @@ def largest_layer_params(config: HybridConfig) -> int:
     return max(max(layer_params(config).values()), config.vocab_size * config.hidden_size)
 
 
-def zero3_settings(config: HybridConfig, live_layers: int = LIVE_LAYERS) -> dict[str, Any]:
+def zero3_settings(config: HybridConfig, live_layers: int = LIVE_LAYERS, per_parameter: bool = False) -> dict[str, Any]:
     """The ``zero_optimization`` section of a ZeRO-3 engine for ``config``: buckets of one layer.
 
     Prefetch, reduce bucket and optimizer sub-group are one largest layer; at most ``live_layers`` of
-    them stay gathered, and nothing is kept for reuse beyond one layer ahead.
+    them stay gathered, and nothing is kept for reuse beyond one layer ahead. ``per_parameter``:
+    each parameter gathered straight into its own buffer (``stage3_allgather_sequential``) instead of
+    through one flat buffer per bucket and a copy out of it.
     """
     big = largest_layer_params(config)
     return {
         "stage": 3,
+        "stage3_allgather_sequential": per_parameter,
         "stage3_prefetch_bucket_size": big,
         "stage3_max_live_parameters": live_layers * big,
         "stage3_max_reuse_distance": big,
@@ -75,6 +78,19 @@ def zero3_settings(config: HybridConfig, live_layers: int = LIVE_LAYERS) -> dict
         # autograd function (the teacher's forward and the KD loss included)
         "memory_efficient_linear": False,
     }
+
+
+def per_parameter_gathers(mode: str, use_gpu: bool) -> bool:
+    """Whether ZeRO-3 gathers each parameter straight into its own buffer (``DistillConfig.zero3_gathers``: 'auto',
+    'coalesced' or 'per_parameter'; auto: on CPU workers).
+
+    DeepSpeed's coalesced gather fills one flat buffer per bucket and then copies every parameter out of it
+    (``torch.cat``), so each gathered layer is allocated and written twice; per parameter, the parameter IS a view
+    of the buffer its collective fills. On a CPU that halves the gathers' allocations (and so their page faults
+    when freed layers are returned, :mod:`.heap`) and drops the copy; on GPUs the coalesced form's fewer, larger
+    NCCL calls matter more, and the CUDA caching allocator reuses the buffers anyway.
+    """
+    return (not use_gpu) if mode == "auto" else mode == "per_parameter"
 
 
 # ---------------------------------------------------------------------- partitioned parameters
@@ -270,25 +286,6 @@ def share_fp32_master(engine: Any) -> int:
         freed += m.numel() * m.element_size()
         m.data = w.data
     return freed
-
-
-def trim_host_heap() -> bool:
-    """Hand the host heap's free memory back to the system (glibc ``malloc_trim``); False where unavailable.
-
-    Building under ``zero.Init`` and loading tensor by tensor allocates and frees a full copy of every tensor;
-    glibc keeps most of the freed memory in its heap, where it would count in the resident peak for the rest of
-    the run (about 0.5 GB after building a 103M-parameter teacher and student at ZeRO-3 on 2 ranks). One call
-    after building costs milliseconds.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return False
-    trim = getattr(libc, "malloc_trim", None)
-    return bool(trim is not None and trim(0))
 
 
 def teacher_engine(model: HybridLM, ds_config: dict[str, Any]) -> Any:

@@ -59,3 +59,57 @@ def test_the_fault_callback_kills_the_last_rank_once(tmp_path):
     assert (tmp_path / "out" / ".exit_last_rank_once.marker").read_text() == "rank 1 exited at step 4\n"
     second = run()
     assert second.returncode == 0 and "survived" in second.stdout, second.stderr
+
+
+# ---------------------------------------------------------------------- the host heap
+def test_heap_policy_by_stage_and_device():
+    from components.distill.heap import HostHeapConfig, policy_for
+
+    assert policy_for(None, 3, use_gpu=False) == HostHeapConfig(mmap_threshold=131072)  # ZeRO-3 on CPU: pinned
+    assert policy_for(None, 0, use_gpu=False) is None and policy_for(None, 2, use_gpu=False) is None
+    assert policy_for(None, 3, use_gpu=True) is None  # the CUDA caching allocator holds a GPU run's tensors
+    given = HostHeapConfig(mmap_threshold=1 << 20)
+    assert policy_for(given, 0, use_gpu=False) is given and policy_for(given, 3, use_gpu=True) is None
+    assert policy_for(HostHeapConfig(), 3, use_gpu=False) == HostHeapConfig()  # {}: glibc as it is
+
+
+def test_worker_settings_follow_the_device(tmp_path):
+    from components.distill import worker as W
+    from model.config import HybridConfig
+    from tests.conftest import TINY
+
+    model = HybridConfig(**TINY)
+
+    def zero(**changes) -> dict:
+        return W.deepspeed_config(_config(tmp_path, zero_stage=3, **changes), 2, model)["zero_optimization"]
+
+    assert zero()["stage3_allgather_sequential"] is True  # CPU: each parameter straight into its buffer
+    assert zero(use_gpu=True)["stage3_allgather_sequential"] is False  # GPU: DeepSpeed's coalesced gathers
+    assert zero(zero3_gathers="coalesced")["stage3_allgather_sequential"] is False
+    assert zero(use_gpu=True, zero3_gathers="per_parameter")["stage3_allgather_sequential"] is True
+    assert W.configure_host_memory(_config(tmp_path, zero_stage=3, use_gpu=True)) == {}  # nothing set on a GPU
+    assert W.configure_host_memory(_config(tmp_path, zero_stage=1)) == {}  # below ZeRO-3: glibc as it is
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt / mallinfo2")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_pinned_threshold_returns_freed_blocks_that_glibc_would_keep(pinned):
+    """In a child process (mallopt is process-wide): after a 16 MB block is freed, glibc raises its threshold and
+    serves a 1 MB block from the heap; with the threshold pinned at 128 KB the 1 MB block gets its own mapping."""
+    script = textwrap.dedent(f"""
+        import ctypes
+        from components.distill import heap
+        if {pinned}:
+            assert heap.apply(heap.HostHeapConfig(mmap_threshold=131072)) == {{"mmap_threshold": True}}
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype = ctypes.c_void_p
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.free(libc.malloc(16 << 20))  # a large block freed: glibc's dynamic threshold rises to 16 MB
+        before = heap.mallinfo()["hblkhd"]
+        block = libc.malloc(1 << 20)
+        print(heap.mallinfo()["hblkhd"] - before)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    mapped = int(run.stdout.split()[-1])
+    assert mapped >= (1 << 20) if pinned else mapped == 0
