@@ -174,40 +174,6 @@ def cold_gemv(repeats: int = 60) -> list[dict[str, Any]]:
     return rows
 
 
-def split_rows_gemv(repeats: int = 50) -> list[dict[str, Any]]:
-    """Microseconds of one input row through the kept head rows of a projection, on weights not in any
-    cache: the :class:`~model.decode.split_linear.RowSplitLinear` blocks (a batched matmul over strided runs)
-    against one GEMV over the span of the kept rows and a gather (its one-row path when the kept rows fill
-    ``split_linear._SPAN_MIN_KEPT`` of the span). The parent is a Mamba ``in_proj``-like (4640, 1024)
-    weight stored inputs-major, of which 8 runs of ``keep`` rows 512 apart and ``hidden`` input columns are
-    kept. 25% quantile of the calls."""
-    import torch.nn.functional as F
-
-    from model.decode.budget_view import store_transposed
-    from model.decode.split_linear import row_linear
-
-    out = []
-    count = max(4, int(512e6 / (4640 * 1024 * 4)))
-    for hidden, keep in [(768, 384), (768, 256), (768, 128), (512, 256)]:
-        rows = torch.cat([torch.arange(g * 512, g * 512 + keep) for g in range(8)])
-        x = torch.randn(1, hidden)
-        blocks, spans = [], []
-        for _ in range(count):
-            lin = torch.nn.Linear(1024, 4640, bias=False)
-            store_transposed(lin.weight)
-            split = row_linear(lin, rows, hidden)
-            split._span = None  # the blocks' path
-            blocks.append(split)
-            spans.append(lin.weight.detach()[: int(rows.max()) + 1, :hidden])
-        t_blocks = time_call(lambda it=itertools.cycle(blocks), v=x: next(it)(v), warmup=count, repeats=repeats)
-        t_span = time_call(lambda it=itertools.cycle(spans), v=x, i=rows: F.linear(v, next(it)).index_select(1, i),
-                           warmup=count, repeats=repeats)  # fmt: skip
-        q25 = [1e6 * sorted(t.samples)[len(t.samples) // 4] for t in (t_blocks, t_span)]
-        out.append({"hidden": hidden, "kept_share": keep / 512, "blocks_us": q25[0], "span_us": q25[1]})
-        del blocks, spans
-    return out
-
-
 def weight_bytes_read(config: HybridConfig, arch: Architecture, itemsize: int) -> int:
     """Bytes of weights one token reads: active parameters, with one embedding row instead of the table."""
     active = count_params(config, arch).active
@@ -328,12 +294,6 @@ def main(argv: list[str] | None = None) -> int:
             ["matrix", "block", "block MB", "strided view GB/s", "contiguous GB/s"],
             [[g["matrix"], g["block"], g["block_mb"], g["strided_gbs"], g["contiguous_gbs"]] for g in gemv],
         ))  # fmt: skip
-    split = split_rows_gemv() if args.gemv else []
-    if split:
-        print(format_table(
-            ["hidden", "kept share of each run", "strided blocks us", "span GEMV + gather us"],
-            [[r["hidden"], r["kept_share"], r["blocks_us"], r["span_us"]] for r in split],
-        ))  # fmt: skip
     prof = {}
     if args.profile:
         targets = [("demo", "full", DEMO, DEMO_BUDGETS["full"], 20)]
@@ -345,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
                               "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
-                              "cold_gemv": gemv, "split_rows": split,
+                              "cold_gemv": gemv,
                               "profile": prof})  # fmt: skip
     return 0
 

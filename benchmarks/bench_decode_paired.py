@@ -56,7 +56,7 @@ def _patch(name: str) -> None:
     """Switch one piece of this checkout's decode machinery off (before any model is built)."""
     import torch.nn.functional as F
 
-    from model.decode import budget_view, layers, plan, split_linear
+    from model.decode import budget_view, layers, plan
 
     if name == "reference":  # no plan at all: every step is the layers' own forward
         plan.DecodePlan.accepts = staticmethod(lambda *args, **kwargs: False)
@@ -72,15 +72,8 @@ def _patch(name: str) -> None:
         layers.rms_norm = plan.rms_norm = norm
     elif name.startswith("ref_"):  # one layer kind through its reference forward
         layers.STEPS[name[4:]] = layers.ReferenceStep
-    elif name == "no_inplace_ssm":
-        step = layers.ssd_step
-        layers.ssd_step = lambda *args: step(*args[:7], False)
     elif name == "no_broadcast_attention":
         layers.use_broadcast = lambda q, work: False
-    elif name == "no_span":  # split projections: always the blocks, never one GEMV over the span
-        split_linear._SPAN_MIN_KEPT = float("inf")
-    elif name == "split_per_run":  # split projections: one GEMM per run, no strided batched views
-        split_linear.regular_groups = lambda blocks: [(s, n, 0, 1) for s, n in blocks]
     elif name == "rows_major":  # the parent left (out, in) row-major: input prefixes are strided
         budget_view.store_inputs_major = lambda full: None
     else:
@@ -95,10 +88,7 @@ VARIANTS = {
     "ref_attention": "attention layers through their reference forward",
     "ref_moe": "MoE layers through their reference forward (no host-side routing of one token)",
     "ref_mlp": "MLP layers through their reference forward",
-    "no_inplace_ssm": "the SSM state written to a new tensor every step",
     "no_broadcast_attention": "scaled_dot_product_attention at any size and thread count",
-    "no_span": "split projections never take one GEMV over the kept rows' span",
-    "split_per_run": "split projections as one GEMM per run of rows, no strided batched views",
     "rows_major": "budget views of a parent left row-major (no store_inputs_major)",
 }
 

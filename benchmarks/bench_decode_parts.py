@@ -58,11 +58,11 @@ def _timed_steps(plan: DecodePlan, kinds: list[str], totals: dict[str, float]) -
 
 def _alone(step: Callable, index: int, cache: HybridCache, x: torch.Tensor) -> Callable[[], None]:
     """One decode step of layer ``index`` on ``x``, repeatable: a private copy of its layer cache that every
-    call reuses (a Mamba state updated in place, an attention cache rewound to the same length)."""
+    call reuses (the Mamba state each step returns, an attention cache rewound to the same length)."""
     layer = cache.layers[index]
     own = HybridCache([None] * len(cache.layers))
     if isinstance(layer, MambaCache):
-        state = {"cache": MambaCache(layer.conv.clone(), layer.ssm.clone(), owned=True)}
+        state = {"cache": MambaCache(layer.conv.clone(), layer.ssm.clone())}
 
         def run() -> None:
             own.layers[index] = state["cache"]

@@ -5,18 +5,15 @@ slot instead of concatenating the whole history. Rows of one batch may hold hist
 different lengths: a row's keys are right-aligned in the buffer and its leading ``pad`` slots
 are never attended (:func:`concat_caches` builds such a batch from caches of different
 lengths; attention has no positional encoding, so where a key sits in the buffer does not
-change what it contributes). Mamba states are per row and need no padding. A decode step also updates in place
-the SSM states of the :class:`MambaCache` objects the model created itself
-(``owned=True``; no state-sized allocation per step). So a cache is consumed by the
-step it is passed to: :func:`clone_cache` first to keep or branch it. A
-:class:`MambaCache` built by other code (``owned=False``, the default) is never
-written; the step returns a new one.
+change what it contributes). Mamba states are per row and need no padding. A decode step writes the new
+key / value into the KV buffer in place, so a cache is consumed by the step it is passed to:
+:func:`clone_cache` first to keep or branch it. Mamba states are never written; a step returns new ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -75,13 +72,11 @@ class MambaCache:
     """Mamba state: ``conv`` (batch, conv_dim, kernel-1) last inputs, ``ssm`` (batch, heads, head_dim, state).
 
     The model keeps ``conv`` time-major in memory (a transposed view of (batch, kernel-1, conv_dim));
-    any layout of that shape is accepted. ``owned``: the tensors belong to this cache alone, so a decode
-    step may overwrite ``ssm`` (see the module docstring).
+    any layout of that shape is accepted.
     """
 
     conv: Tensor
     ssm: Tensor
-    owned: bool = field(default=False, compare=False)
 
 
 class HybridCache:
@@ -119,7 +114,7 @@ class HybridCache:
                     k, v = k[:, :, trim:], v[:, :, trim:]
                 out.append(KVCache(k, v, c.length - trim, pad))
             elif isinstance(c, MambaCache):
-                out.append(MambaCache(c.conv[rows], c.ssm[rows], owned=True))  # indexing copies
+                out.append(MambaCache(c.conv[rows], c.ssm[rows]))
             else:
                 out.append(None)
         new = HybridCache(out)
@@ -142,13 +137,13 @@ def empty_cache(num_layers: int) -> HybridCache:
 
 
 def clone_cache(cache: HybridCache) -> HybridCache:
-    """A deep copy: decode steps write KV buffers and owned SSM states in place."""
+    """A deep copy: decode steps write KV buffers in place."""
     out: list[KVCache | MambaCache | None] = []
     for c in cache.layers:
         if isinstance(c, KVCache):
             out.append(KVCache(c.k.clone(), c.v.clone(), c.length, None if c.pad is None else c.pad.clone()))
         elif isinstance(c, MambaCache):
-            out.append(MambaCache(c.conv.clone(), c.ssm.clone(), owned=True))
+            out.append(MambaCache(c.conv.clone(), c.ssm.clone()))
         else:
             out.append(None)
     new = HybridCache(out)
@@ -191,7 +186,7 @@ def concat_caches(caches: Sequence[HybridCache]) -> HybridCache:
             out.append(KVCache(k, v, fill, pad if bool(pad.any()) else None))
         elif isinstance(first, MambaCache):
             conv = torch.cat([c.conv.transpose(1, 2) for c in per_layer]).transpose(1, 2)  # time-major, as made
-            out.append(MambaCache(conv, torch.cat([c.ssm for c in per_layer]), owned=True))
+            out.append(MambaCache(conv, torch.cat([c.ssm for c in per_layer])))
         else:
             out.append(None)
     new = HybridCache(out)

@@ -158,12 +158,9 @@ class Mamba2Mixer(nn.Module):
         chunk = self.chunk_size if hidden.is_cuda else _cpu_chunk_size(seq, self.chunk_size)
         y, final = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=self.D.float(), initial_state=init)
         new_cache = None
-        if use_cache or cache is not None:  # own copies of the last K-1 inputs and of the state
+        if use_cache or cache is not None:  # an own copy of the last K-1 inputs, time-major
             conv_state = conv_state.transpose(1, 2).contiguous().transpose(1, 2)
-            final = final.contiguous()
-            if cache is not None and final.data_ptr() == cache.ssm.data_ptr():
-                final = final.clone()  # an empty input hands the initial state back; never share it
-            new_cache = MambaCache(conv_state, final, owned=True)
+            new_cache = MambaCache(conv_state, final.contiguous())
         return self._output(y.to(hidden.dtype), z, head_mask), new_cache  # 4.
 
     def step(self, hidden: Tensor, cache: MambaCache, head_mask: Tensor | None = None) -> tuple[Tensor, MambaCache]:
@@ -171,17 +168,14 @@ class Mamba2Mixer(nn.Module):
 
         The forward's steps 1-4 for a single position, through the two single-step functions every decode
         path shares: :func:`conv_step` (the K-tap dot product of each channel's window) and
-        :func:`~model.ssd.ssd_step`. A state this model created (``cache.owned``) is updated in place when
-        autograd is off.
+        :func:`~model.ssd.ssd_step`. The cache passed in is not modified.
         """
         z, xbc, dt = self._split(self.in_proj(hidden))  # 1.
         conv, conv_state = conv_step(cache.conv, xbc, self.conv1d.weight, self.conv1d.bias)  # 2.
         x, B, C, dt, A = self._ssm_inputs(F.silu(conv), dt)  # 3.
-        ssm = cache.ssm
-        inplace = cache.owned and not torch.is_grad_enabled() and ssm.dtype == torch.float32 and ssm.is_contiguous()
-        y, ssm = ssd_step(ssm, x, dt, A, B, C, D=self.D, inplace=inplace)
+        y, ssm = ssd_step(cache.ssm, x, dt, A, B, C, D=self.D)
         out = self._output(y.to(hidden.dtype), z, head_mask)  # 4.
-        return out, MambaCache(conv_state, ssm, owned=True)
+        return out, MambaCache(conv_state, ssm)
 
     def _output(self, y: Tensor, z: Tensor, head_mask: Tensor | None) -> Tensor:
         """y: (b, l, H, P) -> gated group norm -> out_proj: (b, l, hidden)."""

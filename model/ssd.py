@@ -346,35 +346,26 @@ def ssd_step(
     B: Tensor,
     C: Tensor,
     D: Tensor | None = None,
-    inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Advance the recurrence by one token (decoding); the one step used by every decode path.
+    """Advance the recurrence by one token (decoding); the one step every decode path uses.
 
     Args:
-        state: ``(batch, nheads, headdim, dstate)``; not modified unless ``inplace``.
+        state: ``(batch, nheads, headdim, dstate)``; not modified.
         x: ``(batch, nheads, headdim)``.
         dt: ``(batch, nheads)``, positive.
         A: ``(nheads,)``, negative.
         B: ``(batch, ngroups, dstate)``.
         C: ``(batch, ngroups, dstate)``.
         D: optional ``(nheads,)``.
-        inplace: overwrite ``state`` with the new state (no state-sized allocation). Only for a
-            contiguous float32 (or wider) state that nothing else needs in its old value, with autograd
-            not recording.
 
     Returns:
-        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype`` (with
-        ``inplace``: ``state`` itself).
+        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype``.
     """
     b, nheads, p, g, n = _check_step_inputs(state, x, dt, A, B, C, D)
     f = torch.float64 if state.dtype == torch.float64 else torch.float32  # float32 at least
-    if inplace and (state.dtype != f or not state.is_contiguous()):
-        raise ValueError(
-            f"inplace needs a contiguous state of dtype {f}, got {state.dtype} (contiguous={state.is_contiguous()})"
-        )
     xf, dtf = _as(x, f), _as(dt, f)
     decay = torch.exp(dtf * _as(A, f)).view(b, nheads, 1, 1)
-    new = state.mul_(decay) if inplace else (_as(state, f) * decay).contiguous()
+    new = (_as(state, f) * decay).contiguous()
     # Heads of a group share B and C: the group's heads are the rows of one (hpg * headdim, dstate) block,
     # updated by a broadcast multiply-add and read out by a dot product over dstate (no repeat of B / C).
     rows = new.view(b, g, -1, n)
@@ -382,7 +373,7 @@ def ssd_step(
     y = torch.linalg.vecdot(rows, _as(C, f).view(b, g, 1, n)).view(b, nheads, p)
     if D is not None:
         y = y.addcmul_(xf, _as(D, f).view(nheads, 1))
-    return _as(y, x.dtype), new if inplace else _as(new, state.dtype)
+    return _as(y, x.dtype), _as(new, state.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Each step computes what :class:`~model.hybrid.Block` computes for one cached tok
 on the residual stream x: (batch, hidden), with the same dtypes as the layers (the SSM recurrence and the
 router in float32, everything else in the weights' dtype, a float32 residual stream when the config asks
 for one). They take fewer operators than the layers: no mask or dtype branches, the residual added by
-the last GEMM, the SSM state updated in place (through the same :func:`~model.ssd.ssd_step` as the layer),
-a single token's expert routing finished on the host. A case a step does not cover (an empty cache, an
-observer on the router, quantized experts) runs the layer itself (:class:`ReferenceStep`).
+the last GEMM, a single token's expert routing finished on the host; the conv and the SSM advance through
+the same :func:`~model.mamba.conv_step` and :func:`~model.ssd.ssd_step` as the layer. A case a step does
+not cover (an empty cache, an observer on the router, quantized experts) runs the layer itself
+(:class:`ReferenceStep`).
 """
 
 from __future__ import annotations
@@ -89,9 +90,7 @@ class MambaStep(_Step):
         params = self.params
         dt = F.softplus(cast(dt, F32) + cast(params["dt_bias"], F32)).clamp_(self.dt_min, self.dt_max)  # 3.
         A = torch.exp(cast(params["A_log"], F32)).neg_()
-        ssm = layer.ssm
-        inplace = layer.owned and ssm.dtype == torch.float32 and ssm.is_contiguous()
-        y, ssm = ssd_step(ssm, xs.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), params["D"], inplace)
+        y, ssm = ssd_step(layer.ssm, xs.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), params["D"])
         gated = F.silu(cast(z, F32)).mul_(y.view(b, -1))  # 4. gated group norm, float32 statistics
         weight = self.norm_weight["weight"]
         if g == 1:
@@ -99,7 +98,7 @@ class MambaStep(_Step):
         else:
             gated = F.rms_norm(gated.view(b, g, -1), (self.group_size,), None, self.norm_eps).view(b, -1)
         gated = cast(gated, weight.dtype).mul_(weight)
-        cache.layers[index] = MambaCache(conv_state, ssm, owned=True)
+        cache.layers[index] = MambaCache(conv_state, ssm)
         return linear(self.out_proj, gated, x)
 
 

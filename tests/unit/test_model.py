@@ -46,8 +46,9 @@ def test_incremental_decoding_equals_full_forward(tiny_config, prefill):
 
 
 @torch.no_grad()
-def test_no_grad_decoding_updates_own_states_in_place_and_never_foreign_ones(tiny_config):
-    """Without autograd a step overwrites the SSM states the model created; a cache built elsewhere stays intact."""
+def test_decoding_never_writes_the_ssm_states_it_is_given(tiny_config):
+    """A step returns new SSM states: those of the cache it was given (the model's own or one built
+    elsewhere) stay intact, and both decode like the full forward."""
     m = _model(tiny_config)
     ids = torch.randint(0, 64, (2, 12))
     full = m(ids).logits
@@ -56,16 +57,14 @@ def test_no_grad_decoding_updates_own_states_in_place_and_never_foreign_ones(tin
     foreign = HybridCache(
         [MambaCache(c.conv.clone(), c.ssm.clone()) if isinstance(c, MambaCache) else c for c in clone_cache(own).layers]
     )
-    originals = [c for c in foreign.layers if isinstance(c, MambaCache)]
+    originals = [c for c in [*own.layers, *foreign.layers] if isinstance(c, MambaCache)]
     kept = [c.ssm.clone() for c in originals]
-    own_ptrs = [c.ssm.data_ptr() for c in own.layers if isinstance(c, MambaCache)]
     pieces_own, pieces_foreign = [out.logits], [out.logits]
     for t in range(5, ids.shape[1]):
         pieces_own.append(m(ids[:, t : t + 1], cache=own).logits)
         pieces_foreign.append(m(ids[:, t : t + 1], cache=foreign).logits)
     torch.testing.assert_close(torch.cat(pieces_own, 1), full, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(pieces_foreign, 1), full, atol=1e-5, rtol=1e-5)
-    assert [c.ssm.data_ptr() for c in own.layers if isinstance(c, MambaCache)] == own_ptrs  # written in place
     assert all(torch.equal(c.ssm, k) for c, k in zip(originals, kept, strict=True))  # never written
 
 

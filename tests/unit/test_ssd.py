@@ -245,21 +245,23 @@ def test_step_bad_shapes_raise():
 
 
 @pytest.mark.parametrize("ngroups", [1, 2])
-def test_step_inplace_matches_step(ngroups: int):
+def test_step_accepts_a_state_in_any_layout(ngroups: int):
+    """A state stored with its last two dimensions transposed (as a foreign cache may be) steps like a
+    contiguous one."""
     inp = make_inputs(seqlen=3, ngroups=ngroups, with_d=True, with_init=True, seed=5)
-    state = inp["initial_state"].clone()
     ref_state = inp["initial_state"]
+    state = ref_state.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not state.is_contiguous()
     for t in range(3):
         args = (inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t])
         y_ref, ref_state = ssd_step(ref_state, *args, D=inp["D"])
-        y, written = ssd_step(state, *args, D=inp["D"], inplace=True)
-        assert written is state
-        assert max_diff(y, y_ref) <= 1e-5
-        assert max_diff(state, ref_state) <= 1e-5
+        y, state = ssd_step(state, *args, D=inp["D"])
+        assert max_diff(y, y_ref) <= 1e-6
+        assert max_diff(state, ref_state) <= 1e-6
 
 
 def test_step_on_a_bf16_state_computes_in_float32():
-    """A bfloat16 state and inputs: the step runs in float32 and rounds once; in place needs float32."""
+    """A bfloat16 state and inputs: the step runs in float32 and rounds once."""
     inp = make_inputs(seqlen=1, ngroups=2, with_d=True, with_init=True, seed=7)
     args = (inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0], inp["C"][:, 0])
     y_ref, s_ref = ssd_step(inp["initial_state"], *args, D=inp["D"])
@@ -268,5 +270,3 @@ def test_step_on_a_bf16_state_computes_in_float32():
     assert y.dtype == s.dtype == torch.bfloat16
     assert max_diff(y.float(), y_ref) <= 0.05 * y_ref.abs().max().item()
     assert max_diff(s.float(), s_ref) <= 0.05 * s_ref.abs().max().item()
-    with pytest.raises(ValueError, match="inplace"):
-        ssd_step(inp["initial_state"].bfloat16(), *half, D=inp["D"], inplace=True)
