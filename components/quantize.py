@@ -26,7 +26,9 @@ Design choices:
   sizes are those a deployment would store.
 * In the pipeline the stage runs as one Ray task with ``resources`` (:mod:`components.stage_task`):
   quantizing loads the whole checkpoint and evaluating runs it, so the task carries the model's
-  memory and, to evaluate on cuda in bfloat16, a GPU; the evaluation runs inside that task.
+  memory and, to evaluate on cuda in bfloat16, a GPU; the evaluation runs inside that task. The FP8
+  calibration forwards run on that GPU too when the task reserves one (:func:`calibration_device`);
+  quantizing and writing stay on the CPU.
 * Sizes: bytes of the safetensors files actually on disk (all budgets in one file), next to the
   source checkpoint's bytes and the bf16 size of the same tensors (the usual reference), with
   bits per parameter. The reported method lands at 97-100% recovery; a tiny demo model quantizes
@@ -137,6 +139,23 @@ class QuantizeOutputs(BaseModel):
 
 
 # ---------------------------------------------------------------------- inputs
+def calibration_device(resources: TaskResources, cuda_available: bool) -> str:
+    """Where the FP8 calibration forwards run: ``"cuda"`` when the stage's task reserves a GPU
+    (``resources.num_gpus > 0``) and one is visible (``cuda_available``: ``torch.cuda.is_available()`` inside
+    the task), else ``"cpu"``. A task without a reserved GPU never uses one that happens to be on its node; a
+    reserved GPU that torch cannot see falls back to the CPU with a warning naming ``quantize.resources``."""
+    if resources.num_gpus <= 0:
+        return "cpu"
+    if not cuda_available:
+        warnings.warn(
+            f"quantize.resources reserves {resources.num_gpus} GPU(s) but torch sees none "
+            "(torch.cuda.is_available() is False): calibrating on the CPU",
+            stacklevel=2,
+        )
+        return "cpu"
+    return "cuda"
+
+
 def calibration_batches(folder: Path, vocab_size: int, cfg: QuantCalibrationConfig) -> list[torch.Tensor]:
     """Token batches (batch_size, seq_len) of ``cfg.data`` rendered with the checkpoint's tokenizer.
 
@@ -255,6 +274,7 @@ def run_quantize(
     if "fp8" in config.formats:  # only FP8 has activation scales
         batches = calibration_batches(source, model_config.vocab_size, config.calibration)
 
+    device = calibration_device(config.resources, torch.cuda.is_available()) if batches else "cpu"
     checkpoints: dict[str, Path] = {}
     for fmt in config.formats:
         checkpoints[fmt] = quantize_checkpoint(
@@ -265,6 +285,7 @@ def run_quantize(
             batches,
             calibrate_budgets=config.calibration.per_budget,
             dense_dtype=torch.bfloat16 if config.dense_dtype == "bfloat16" else None,
+            device=device,
         )
 
     if evaluate_fn is None and config.evaluate is not None:

@@ -274,15 +274,15 @@ def rank_and_permute(config: RankConfig, acc_state: dict[str, Any], device: str)
 # ---------------------------------------------------------------------- the stage
 def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
     """Rank and permute the parent; see the module docstring for the steps and the outputs."""
-    from components.storage import materialize
+    from components.storage import fetch_metadata
     from model.checkpoint import read_config
 
     t0 = time.perf_counter()
     tracker.log_params(config.model_dump(mode="json"))
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    parent_dir = materialize(config.parent_uri)
-    model_config, _ = read_config(parent_dir)  # config.json only: the driver loads no weight
+    parent_dir = fetch_metadata(config.parent_uri)  # config.json and tokenizer: the driver reads no weight
+    model_config, _ = read_config(parent_dir)
     cal = config.calibration
     check_data(cal.data, parent_dir, cal.markers, model_config.vocab_size, "rank.calibration.data")
 

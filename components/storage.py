@@ -1,8 +1,9 @@
 """Artifact storage by URI: local folders by default, ``s3://bucket/prefix`` through boto3.
 
 Stages work on local folders. ``materialize`` turns any URI into a local folder
-(downloading an ``s3://`` prefix into a cache once), ``publish`` copies a local
-folder to a URI. S3 settings come from the standard AWS variables
+(downloading an ``s3://`` prefix into a cache once), ``fetch_files`` fetches only the
+named files of a URI (a checkpoint's ``config.json``, tokenizer files and manifest,
+without its weights), ``publish`` copies a local folder to a URI. S3 settings come from the standard AWS variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and
 ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for any S3-compatible server.
 """
@@ -12,8 +13,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
+
+METADATA_FILES: tuple[str, ...] = ("config.json", "manifest.json", "model.safetensors.index.json")
+"""A checkpoint's files besides its weights and tokenizer that stages read before loading it."""
 
 
 def is_s3(uri: str | os.PathLike) -> bool:
@@ -61,6 +66,12 @@ def publish(local_dir: str | Path, uri: str) -> str:
     return uri
 
 
+def _cache_folder(uri: str | Path, cache_dir: str | Path | None) -> Path:
+    """Where :func:`materialize` downloads the ``s3://`` prefix ``uri``."""
+    cache = Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
+    return cache / "s3" / hashlib.sha256(str(uri).encode()).hexdigest()[:16]
+
+
 def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
     """A local folder holding the contents of ``uri`` (s3 prefixes are downloaded once into ``cache_dir``)."""
     if not is_s3(uri):
@@ -69,8 +80,7 @@ def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
             raise FileNotFoundError(f"{path} does not exist")
         return path
     bucket, prefix = split_s3(str(uri))
-    cache = Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
-    local = cache / "s3" / hashlib.sha256(str(uri).encode()).hexdigest()[:16]
+    local = _cache_folder(uri, cache_dir)
     marker = local / ".complete"
     if marker.exists():
         return local
@@ -97,6 +107,61 @@ def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
     shutil.rmtree(local, ignore_errors=True)
     os.replace(tmp, local)
     return local
+
+
+def fetch_files(uri: str | Path, names: Iterable[str], cache_dir: str | Path | None = None) -> Path:
+    """A local folder holding the files ``names`` (paths relative to ``uri``) that exist under ``uri``; nothing else.
+
+    For reading a checkpoint's metadata (``config.json``, tokenizer files, ``manifest.json``) without
+    downloading its weights (tens of GB at real scale). A local ``uri`` is returned as is. For an
+    ``s3://`` prefix already downloaded whole by :func:`materialize`, that folder is returned; otherwise
+    each named object is downloaded again on every call (small files: a re-published prefix is never read
+    stale) into its own cache folder, and a name with no object is left out (the caller checks for the
+    files it requires). Raises ``FileNotFoundError`` when none of ``names`` exists under ``uri``.
+    """
+    names = sorted(set(names))
+    bad = [n for n in names if not n or n.startswith("/") or ".." in Path(n).parts]
+    if bad:
+        raise ValueError(f"fetch_files: names must be relative paths inside the prefix, got {bad}")
+    if not is_s3(uri):
+        return materialize(uri)
+    full = _cache_folder(uri, cache_dir)
+    if (full / ".complete").exists():
+        return full
+    from botocore.exceptions import ClientError
+
+    bucket, prefix = split_s3(str(uri))
+    base = prefix.rstrip("/") + "/" if prefix else ""
+    local = full.parent / f"{full.name}.files"
+    local.mkdir(parents=True, exist_ok=True)
+    client = s3_client()
+    found = 0
+    for name in names:
+        dest = local / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.{os.getpid()}.tmp"
+        try:
+            client.download_file(bucket, base + name, str(tmp))
+        except ClientError as err:
+            tmp.unlink(missing_ok=True)
+            if err.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey"):
+                raise
+            dest.unlink(missing_ok=True)  # gone from the prefix since an earlier call
+            continue
+        os.replace(tmp, dest)  # atomic: a concurrent reader sees the old file or the new one
+        found += 1
+    if found == 0:
+        raise FileNotFoundError(f"{uri}: none of {names} exists under this prefix")
+    return local
+
+
+def fetch_metadata(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """:func:`fetch_files` of a checkpoint's metadata: ``config.json``, ``manifest.json``, the shard index and the
+    tokenizer files (:data:`~components.data.tokenizer.TOKENIZER_FILES`), never a weight file. Enough for
+    :func:`~model.checkpoint.read_config` and :meth:`~components.data.tokenizer.TextTokenizer.load`."""
+    from components.data.tokenizer import TOKENIZER_FILES
+
+    return fetch_files(uri, (*METADATA_FILES, *TOKENIZER_FILES), cache_dir)
 
 
 def check_reachable(uri: str) -> None:

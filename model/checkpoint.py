@@ -88,20 +88,77 @@ def to_canonical(tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -
     experts: dict[tuple[str, str], dict[int, Tensor]] = {}
     pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
     for key, value in pairs:
-        if key.startswith("backbone."):
-            key = "model." + key[len("backbone.") :]
-        m = _PER_EXPERT.match(key)
-        if m:
-            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = value
+        name, index = canonical_name(key) or (key, None)  # mtp.* keys pass through: callers drop them
+        if index is not None:
+            experts.setdefault(name, {})[index] = value
         else:
-            out[key] = value
+            out[name] = value
     while experts:
-        (prefix, proj), per = experts.popitem()
+        name, per = experts.popitem()
         ids = sorted(per)
         if ids != list(range(len(ids))):
+            prefix, proj = name.rsplit(".", 1)
             raise CheckpointError(f"{prefix}.*.{proj}.weight: expert indices {ids} are not 0..{len(ids) - 1}")
-        out[f"{prefix}.{proj}"] = torch.stack([per.pop(i) for i in ids])
+        out[name] = torch.stack([per.pop(i) for i in ids])
     return out
+
+
+def canonical_name(file_key: str) -> tuple[str, int | None] | None:
+    """The model's name for a stored key, one key at a time (the renaming :func:`to_canonical` applies).
+
+    Returns ``(name, None)`` for a whole tensor (``backbone.`` read as ``model.``), ``(stacked name, expert
+    index)`` for a per-expert tensor (``...mixer.experts.{j}.up_proj.weight`` -> ``...mixer.experts.up_proj``,
+    ``j``), and None for a multi-token-prediction tensor (``mtp.*``), which the model does not have.
+    """
+    if file_key.startswith(_MTP_PREFIX):
+        return None
+    key = "model." + file_key[len("backbone.") :] if file_key.startswith("backbone.") else file_key
+    m = _PER_EXPERT.match(key)
+    if m:
+        return f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+    return key, None
+
+
+class ExpertStacker:
+    """Per-expert tensors copied straight into their stacked (E, out, in) tensor as they are read.
+
+    ``shapes`` gives the full stacked shape of every name; each stacked tensor is allocated at its first
+    expert (in :func:`loaded_dtype` of ``dtype``) and handed back by :meth:`add` once its last expert is in,
+    so only the stacks of partly read layers are held here. Tensors that do not fit and experts never read
+    are collected in :meth:`problems`.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None = None) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.pending: dict[str, tuple[Tensor, set[int]]] = {}
+        self.misfits: list[str] = []
+
+    def add(self, name: str, index: int, view: Tensor) -> Tensor | None:
+        """Copy expert ``index`` of ``name`` (``view``: (out, in)) into its stack; returns the stacked
+        (E, out, in) tensor when this was its last missing expert, else None."""
+        shape = self.shapes.get(name)
+        if shape is None or len(shape) != 3 or index >= shape[0] or tuple(view.shape) != tuple(shape[1:]):
+            prefix, proj = name.rsplit(".", 1)
+            self.misfits.append(f"{prefix}.{index}.{proj}.weight {tuple(view.shape)} does not fit {name} {shape}")
+            return None
+        if name not in self.pending:
+            self.pending[name] = (torch.empty(shape, dtype=loaded_dtype(name, view, self.dtype)), set())
+        stacked, got = self.pending[name]
+        stacked[index].copy_(view)
+        got.add(index)
+        if len(got) < shape[0]:
+            return None
+        del self.pending[name]
+        return stacked
+
+    def problems(self) -> list[str]:
+        """Misfit tensors, then every stack with experts never read."""
+        absent = [
+            f"{name}: no tensor for experts {sorted(set(range(t.shape[0])) - got)}"
+            for name, (t, got) in self.pending.items()
+        ]
+        return self.misfits + absent
 
 
 def from_canonical(
@@ -244,13 +301,15 @@ def read_config(path: str | Path) -> tuple[HybridConfig, dict[str, Any]]:
 
 def _loaded_copy(key: str, view: Tensor, dtype: torch.dtype | None) -> Tensor:
     """An owned copy of ``view`` as :func:`load_model` holds it (floating: ``dtype``, router bias: float32)."""
+    return view.to(loaded_dtype(key, view, dtype), copy=True)
+
+
+def loaded_dtype(name: str, view: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a loaded tensor is held in: as stored when not floating or ``dtype`` is None, the MoE router's
+    ``e_score_correction_bias`` in float32, any other floating tensor in ``dtype``."""
     if not view.is_floating_point():
-        return view.clone()
-    return view.to(_target_dtype(key, view, dtype), copy=True)
-
-
-def _target_dtype(key: str, view: Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    return torch.float32 if key.endswith(_FP32_TENSORS) else (dtype or view.dtype)
+        return view.dtype
+    return torch.float32 if name.endswith(_FP32_TENSORS) else (dtype or view.dtype)
 
 
 def _read_state(folder: Path, expected: Mapping[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
@@ -262,37 +321,23 @@ def _read_state(folder: Path, expected: Mapping[str, Tensor], dtype: torch.dtype
     shapes; per-expert tensors that do not fit it raise :class:`CheckpointError` naming them.
     """
     out: dict[str, Tensor] = {}
-    filled: dict[str, set[int]] = {}
-    misfits: list[str] = []
-    for key, view in iter_views(folder):
-        if key.startswith(_MTP_PREFIX):
+    stacker = ExpertStacker({name: tuple(t.shape) for name, t in expected.items()}, dtype)
+    per_expert: set[str] = set()  # stacks built from per-expert tensors
+    for file_key, view in iter_views(folder):
+        named = canonical_name(file_key)
+        if named is None:
             continue
-        if key.startswith("backbone."):
-            key = "model." + key[len("backbone.") :]
-        m = _PER_EXPERT.match(key)
-        if m:
-            name, j = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
-            ref = expected.get(name)
-            if ref is None or ref.dim() != 3 or j >= ref.shape[0] or tuple(view.shape) != tuple(ref.shape[1:]):
-                misfits.append(
-                    f"{key} {tuple(view.shape)} vs config {name} {tuple(ref.shape) if ref is not None else None}"
-                )
-                continue
-            if name in out and name not in filled:
-                raise CheckpointError(f"{folder}: {name} is stored both stacked and per expert")
-            if name not in out:
-                out[name] = torch.empty(ref.shape, dtype=_target_dtype(name, view, dtype))
-                filled[name] = set()
-            out[name][j].copy_(view)
-            filled[name].add(j)
-            continue
-        if key in out:
+        key, index = named
+        if (key in out and key not in per_expert) or (index is None and (key in out or key in stacker.pending)):
             raise CheckpointError(f"{folder}: {key} is stored both stacked and per expert")
+        if index is not None:
+            stacked = stacker.add(key, index, view)
+            if stacked is not None:
+                out[key] = stacked
+                per_expert.add(key)
+            continue
         out[key] = _loaded_copy(key, view, dtype)
-    for name, got in filled.items():
-        absent = sorted(set(range(expected[name].shape[0])) - got)
-        if absent:
-            misfits.append(f"{name}: no tensor for experts {absent}")
+    misfits = stacker.problems()
     if misfits:
         raise CheckpointError(f"{folder}: per-expert tensors that do not fit the config: " + "; ".join(misfits[:20]))
     return out

@@ -23,6 +23,12 @@ Design choices:
   fragment-address tuple), so a checkpoint in shared storage cannot run code in the workers.
 * A resuming rank fetches only its own files (:func:`fetch`): on remote storage each worker would
   otherwise download every rank's optimizer shards.
+* Consolidating a ZeRO-3 checkpoint from remote storage downloads every rank's optimizer file to one
+  node: DeepSpeed writes a rank's float32 master partition and its two Adam moments into the same
+  ``optim_states.pt`` file, so the weights cannot be fetched without the moments. That is about 12 bytes
+  per trained parameter (31.6B parameters: ~380 GB), checked against the free disk before the download
+  starts (:func:`check_free_disk`; ``DistillConfig.consolidation_dir`` moves the download folder), plus
+  the consolidated output in ``output_dir`` (2 bytes per parameter in bf16, 4 in float32).
 * Consolidation (:func:`consolidate`) is a separate step on the driver: it reads the shards memory-mapped
   and writes the student and router tensor by tensor (:func:`write_safetensors`), one full tensor in
   memory at a time, in the training dtype (bf16 training writes bf16: phase 2 starts from exactly the
@@ -40,6 +46,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -174,12 +181,38 @@ def consolidation_needs(relative: str, zero_stage: int) -> bool:
     return name == STATE_FILE or name.endswith("_model_states.pt") or optim
 
 
+FREE_DISK_HEADROOM = 1 << 30
+"""Bytes :func:`fetch` leaves free on the download folder's disk beyond the files it downloads."""
+
+
+def check_free_disk(folder: str | Path, needed: int, setting: str, headroom: int = FREE_DISK_HEADROOM) -> None:
+    """Raise ``OSError`` naming ``needed`` and ``setting`` when ``folder``'s disk has less than ``needed +
+    headroom`` bytes free (checked before a download starts, not half way through it)."""
+    free = shutil.disk_usage(folder).free
+    if needed + headroom > free:
+        gib = 1 << 30
+        raise OSError(
+            f"{folder}: downloading the checkpoint files needs {needed / gib:.2f} GiB ({needed} bytes) plus "
+            f"{headroom / gib:.2f} GiB headroom, but its disk has {free / gib:.2f} GiB free; point {setting} at a "
+            "folder on a disk with that much space"
+        )
+
+
 @contextlib.contextmanager
-def fetch(checkpoint: Any, wanted: Any) -> Iterator[Path]:
+def fetch(
+    checkpoint: Any,
+    wanted: Any,
+    scratch: str | Path | None = None,
+    setting: str = "TMPDIR",
+    headroom: int = FREE_DISK_HEADROOM,
+) -> Iterator[Path]:
     """A local folder holding the files of a Ray Train ``checkpoint`` for which ``wanted(relative_path)``.
 
     Local storage: the checkpoint's own folder (nothing copied). Remote storage (``s3://``): only the wanted
-    files are downloaded, into a temporary folder removed on exit.
+    files are downloaded, into a temporary folder under ``scratch`` (None: the system temporary folder)
+    removed on exit. Their total size is read from the listing first: when the disk under ``scratch`` lacks
+    it (plus ``headroom``), raises ``OSError`` naming the size and ``setting`` (the option that moves
+    ``scratch``) before anything is downloaded.
     """
     import pyarrow.fs
 
@@ -188,14 +221,14 @@ def fetch(checkpoint: Any, wanted: Any) -> Iterator[Path]:
         yield Path(root)
         return
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
-    with tempfile.TemporaryDirectory(prefix="distill-ckpt-") as tmp:
+    files = [(info, info.path[len(root.rstrip("/")) + 1 :]) for info in infos if info.type == pyarrow.fs.FileType.File]
+    files = [(info, relative) for info, relative in files if wanted(relative)]
+    if scratch is not None:
+        Path(scratch).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="distill-ckpt-", dir=scratch) as tmp:
+        check_free_disk(tmp, sum(info.size for info, _ in files), setting, headroom)
         local = pyarrow.fs.LocalFileSystem()
-        for info in infos:
-            if info.type != pyarrow.fs.FileType.File:
-                continue
-            relative = info.path[len(root.rstrip("/")) + 1 :]
-            if not wanted(relative):
-                continue
+        for info, relative in files:
             (Path(tmp) / relative).parent.mkdir(parents=True, exist_ok=True)
             pyarrow.fs.copy_files(info.path, str(Path(tmp) / relative), fs, local)
         yield Path(tmp)

@@ -43,7 +43,7 @@ _BOOKKEEPING = {
     "output_dir", "storage_path", "run_name", "tracking_uri", "run_id", "experiment", "log_every",
     "checkpoint_every", "max_failures", "step_callback", "kd_chunk_tokens", "activation_checkpointing", "host_heap",
     "zero3_gathers",
-    "consolidation",
+    "consolidation", "consolidation_dir",
 }  # fmt: skip
 """Fields that do not change what is trained (left out of :meth:`DistillConfig.run_key`)."""
 
@@ -169,6 +169,13 @@ class DistillConfig(BaseModel):
         description="Resources of the Ray task that consolidates the final checkpoint's shards into output_dir "
         "(components.stage_task.TaskResources: num_cpus, num_gpus, memory_gib, accelerator_type); it reads every "
         "rank's shard tensor by tensor, so size memory_gib for the largest tensor, not the model.",
+    )
+    consolidation_dir: str | None = Field(
+        None,
+        description="Local folder on the consolidation task's node that the final checkpoint's files are downloaded "
+        "into when storage_path is s3:// (removed after). At ZeRO-3 that is every rank's optimizer file, float32 "
+        "weights and both Adam moments together (~12 bytes per parameter: ~380 GB for 31.6B parameters); the task "
+        "checks the free disk before downloading. None: the system temporary folder (TMPDIR).",
     )
     storage_path: str | None = Field(
         None,
@@ -319,7 +326,7 @@ def preflight(config: DistillConfig) -> HybridConfig:
     * ``step_callback`` must name an importable function.
     """
     resolve_step_callback(config.step_callback)
-    from components.storage import is_s3, materialize
+    from components.storage import fetch_metadata, is_s3
 
     if config.init_from is not None and not is_s3(config.init_from):
         src = Path(config.init_from)
@@ -333,7 +340,10 @@ def preflight(config: DistillConfig) -> HybridConfig:
                 f"init_from={config.init_from!r} is not a distillation output (missing {missing}); "
                 "pass the phase-1 output_dir"
             )
-    teacher_dir = materialize(config.teacher_uri)
+    try:  # config.json and the tokenizer files only: the weights are the workers' to read
+        teacher_dir = fetch_metadata(config.teacher_uri)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"teacher_uri={config.teacher_uri!r}: {err}") from None
     if not (teacher_dir / "config.json").exists():
         raise FileNotFoundError(f"teacher_uri={config.teacher_uri!r} has no config.json (a nemotron_h checkpoint?)")
     model_config = HybridConfig.from_json_file(teacher_dir / "config.json")
@@ -389,9 +399,12 @@ def with_router_schedule(config: DistillConfig) -> DistillConfig:
     """
     rc = config.router
     if config.phase == 2 and config.init_from and (rc.step_offset == 0 or rc.schedule_steps is None):
-        from components.storage import materialize
+        from components.storage import fetch_files
 
-        summary = materialize(config.init_from) / "distill.json"  # written by the distill stage
+        try:  # distill.json only, not the phase-1 weights
+            summary = fetch_files(config.init_from, ["distill.json"]) / "distill.json"  # written by the distill stage
+        except FileNotFoundError:
+            summary = Path(config.init_from) / "distill.json"  # absent: reported below
         if not summary.exists():
             raise FileNotFoundError(
                 f"init_from={config.init_from!r} has no distill.json to continue the router schedule from; set "

@@ -16,7 +16,8 @@
    and their parameter counts), ``history.json`` (the logged rows) and the tokenizer files, all
    hashed in ``manifest.json``. Phase 2's ``init_from`` is exactly such a folder. The consolidation
    runs as a Ray task with the resources of ``consolidation`` (:mod:`components.stage_task`): the
-   files it reads (on ``s3://`` storage, every rank's optimizer shard at ZeRO-3) are fetched on the
+   files it reads (on ``s3://`` storage, every rank's optimizer shard at ZeRO-3: ~12 bytes per
+   parameter, checked against the free disk of ``consolidation_dir`` first) are fetched on the
    task's node, never on the driver.
 
 ``run_export(distill_output_dir, out_dir)`` reads that folder, rebuilds the router, takes every
@@ -182,11 +183,13 @@ def consolidate_output(
 ) -> tuple[Path, dict[str, Any], ckpt.TrainState]:
     """Fetch the files consolidation reads from a Ray Train ``checkpoint`` (only those) and write ``output_dir``
     (:func:`write_output`). The body of the consolidation task: what it fetches lands on the task's node."""
-    from components.storage import materialize
+    from components.storage import fetch_metadata
 
     needs = lambda relative: ckpt.consolidation_needs(relative, config.zero_stage)  # noqa: E731
-    with ckpt.fetch(checkpoint, needs) as folder:
-        return write_output(Path(folder), config, model_config, materialize(config.teacher_uri))
+    teacher_meta = fetch_metadata(config.teacher_uri)  # the tokenizer files that travel on, not the teacher weights
+    setting = f"distill_phase{config.phase}.consolidation_dir"
+    with ckpt.fetch(checkpoint, needs, config.consolidation_dir, setting) as folder:
+        return write_output(Path(folder), config, model_config, teacher_meta)
 
 
 def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> DistillOutputs:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,12 +37,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from model.checkpoint import CheckpointError, iter_views, read_config, verify_manifest
+from model.checkpoint import (
+    CheckpointError,
+    ExpertStacker,
+    canonical_name,
+    iter_views,
+    loaded_dtype,
+    read_config,
+    verify_manifest,
+)
 from model.config import HybridConfig
 from model.hybrid import HybridLM
 
-_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
-_FP32_TENSORS = ("e_score_correction_bias",)  # float32 whatever the training dtype, as the loader keeps them
 LIVE_LAYERS = 2
 """Layers one ZeRO-3 engine keeps gathered at once (the computing one and the prefetched next one); the
 plan's ``live_layers``."""
@@ -171,19 +176,14 @@ def full_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------- streaming a checkpoint
-def _dtype_for(name: str, view: Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    if not view.is_floating_point():
-        return view.dtype
-    return torch.float32 if name.endswith(_FP32_TENSORS) else (dtype or view.dtype)
-
-
 def iter_canonical(
     folder: str | Path, shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(name, tensor)`` under the model's own names for every tensor of a nemotron_h checkpoint.
 
     ``shapes``: the expected full shape of every name (:func:`full_shapes`). Keys are renamed
-    (``backbone.`` -> ``model.``), multi-token-prediction tensors skipped, per-expert tensors stacked;
+    (``backbone.`` -> ``model.``), multi-token-prediction tensors skipped, per-expert tensors stacked, all
+    as the loader does (:func:`~model.checkpoint.canonical_name`, :class:`~model.checkpoint.ExpertStacker`);
     floating tensors become ``dtype`` (the router bias stays float32). Each yielded tensor is the
     caller's own copy. After the last tensor, raises :class:`CheckpointError` naming every missing,
     unexpected or mis-shaped tensor.
@@ -191,32 +191,20 @@ def iter_canonical(
     folder = Path(folder)
     _, raw = read_config(folder)
     verify_manifest(folder)
-    pending: dict[str, tuple[Tensor, set[int]]] = {}
+    stacker = ExpertStacker(shapes, dtype)
     seen: set[str] = set()
     problems: list[str] = []
     embedding_key = None
-    for key, view in iter_views(folder):
-        if key.startswith("mtp."):
+    for file_key, view in iter_views(folder):
+        named = canonical_name(file_key)
+        if named is None:  # multi-token prediction: not part of the model
             continue
-        file_key = key
-        if key.startswith("backbone."):
-            key = "model." + key[len("backbone.") :]
-        m = _PER_EXPERT.match(key)
-        if m:
-            name, j = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
-            shape = shapes.get(name)
-            if shape is None or len(shape) != 3 or j >= shape[0] or tuple(view.shape) != tuple(shape[1:]):
-                problems.append(f"{key} {tuple(view.shape)} does not fit {name} {shape}")
-                continue
-            if name not in pending:
-                pending[name] = (torch.empty(shape, dtype=_dtype_for(name, view, dtype)), set())
-            stacked, got = pending[name]
-            stacked[j].copy_(view)
-            got.add(j)
-            if len(got) == shape[0]:
-                del pending[name]
-                seen.add(name)
-                yield name, stacked
+        key, index = named
+        if index is not None:
+            stacked = stacker.add(key, index, view)
+            if stacked is not None:
+                seen.add(key)
+                yield key, stacked
             continue
         if key not in shapes:
             problems.append(f"unexpected tensor {key}")
@@ -227,17 +215,15 @@ def iter_canonical(
         if key == "model.embeddings.weight":
             embedding_key = file_key
         seen.add(key)
-        yield key, view.to(_dtype_for(key, view, dtype), copy=True)
+        yield key, view.to(loaded_dtype(key, view, dtype), copy=True)
     if "lm_head.weight" in shapes and "lm_head.weight" not in seen and embedding_key and raw.get("tie_word_embeddings"):
         for key, view in iter_views(folder):  # tied: lm_head starts as a copy of the embedding (as load_model does)
             if key == embedding_key:
                 seen.add("lm_head.weight")
-                yield "lm_head.weight", view.to(_dtype_for(key, view, dtype), copy=True)
+                yield "lm_head.weight", view.to(loaded_dtype(key, view, dtype), copy=True)
                 break
-    problems += [
-        f"{name}: experts {sorted(set(range(t.shape[0])) - got)} missing" for name, (t, got) in pending.items()
-    ]
-    missing = sorted(set(shapes) - seen - set(pending))
+    problems += stacker.problems()
+    missing = sorted(set(shapes) - seen - set(stacker.pending))
     if missing:
         problems.append(f"missing tensors {missing[:20]}{' ...' if len(missing) > 20 else ''}")
     if problems:

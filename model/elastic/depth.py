@@ -3,8 +3,9 @@
 The damage of removing the layer set R is ``d(R) = ||z - z_R||^2 / ||z||^2`` (``z`` the untouched
 parent's logits, ``z_R`` those with R skipped through ``LayerMask(keep=0)``), averaged over the
 calibration batches. Greedy: remove the layer with the smallest ``d(R + {j})``, re-score, repeat;
-the depth ranking is the removal order read backwards. ``L (L + 1) / 2`` forwards per batch, in one
-process (not additive).
+the depth ranking is the removal order read backwards. ``L (L + 1) / 2`` masked forwards per batch, plus
+one untouched forward per batch and round (its logits are not kept between rounds), in one process
+(not additive).
 
 Design notes: docs/elastic.md ("Depth importance").
 """
@@ -51,10 +52,24 @@ def removal_mask(num_layers: int, removed: Sequence[int], device: torch.device |
     return ModelMask(layers=[LayerMask(keep=zero) if i in gone else LayerMask() for i in range(num_layers)])
 
 
-def _nmse(full: Tensor, other: Tensor) -> float:
-    """||full - other||^2 / ||full||^2 in float64 (both (batch, seq, vocab))."""
-    f = full.double()
-    return float((f - other.double()).pow(2).sum() / f.pow(2).sum().clamp_min(1e-30))
+NMSE_CHUNK_ROWS = 512
+"""Token rows per float64 chunk of :func:`nmse` (a chunk is ``rows x vocabulary x 8`` bytes per temporary:
+512 x 131k vocabulary = 0.5 GB)."""
+
+
+def nmse(full: Tensor, other: Tensor, chunk_rows: int = NMSE_CHUNK_ROWS) -> float:
+    """``||full - other||^2 / ||full||^2`` in float64, both (batch, seq, vocab), ``chunk_rows`` token rows at a
+    time: the float64 temporaries are one chunk, not four copies of the whole logits (17 GB each for one
+    4 x 4096 x 131k batch). Its reference is the one-shot expression (the tests compare them)."""
+    f_rows = full.reshape(-1, full.shape[-1])
+    o_rows = other.reshape(-1, other.shape[-1])
+    num = torch.zeros((), dtype=torch.float64, device=full.device)
+    den = torch.zeros((), dtype=torch.float64, device=full.device)
+    for start in range(0, f_rows.shape[0], chunk_rows):
+        f = f_rows[start : start + chunk_rows].double()
+        num += (f - o_rows[start : start + chunk_rows].double()).pow(2).sum()
+        den += f.pow(2).sum()
+    return float(num / den.clamp_min(1e-30))
 
 
 @torch.no_grad()
@@ -62,6 +77,14 @@ def depth_ranking(model, batches: Sequence[Tensor], progress: bool = True) -> De
     """Greedy depth ranking of ``model`` (a :class:`~model.hybrid.HybridLM`) on ``batches``.
 
     ``batches``: input ids, each (batch, seq) long. Returns a :class:`DepthRanking`.
+
+    Memory: one batch's untouched logits and one masked forward's logits are alive at a time (plus
+    :func:`nmse`'s float64 chunks). Each greedy round runs batch by batch: the batch's full logits are
+    computed (again) at the start of its round, then compared with every candidate removal on it, so
+    no batch's logits are kept across rounds (one (batch, seq, vocab) tensor is 4.3 GB in bf16 at
+    4 x 4096 x 131k). That costs one extra forward per batch and round (``L`` per batch against the
+    ``L (L + 1) / 2`` masked ones) and gives the scores of keeping every batch's logits: each
+    candidate's per-batch nMSEs are summed in batch order, then averaged.
     """
     if not batches:
         raise ValueError("depth ranking needs at least one calibration batch")
@@ -70,28 +93,32 @@ def depth_ranking(model, batches: Sequence[Tensor], progress: bool = True) -> De
     device = model.device
     ids = [b.to(device) for b in batches]
     n_layers = len(model.model.layers)
-    full = [model(x).logits for x in ids]
 
-    def damage(removed: list[int]) -> float:
-        mask = removal_mask(n_layers, removed, device)
-        return sum(_nmse(z, model(x, mask=mask).logits) for x, z in zip(ids, full, strict=True)) / len(ids)
+    def round_scores(removed: list[int], candidates: list[int]) -> list[float]:
+        """Mean nMSE over the batches of removing ``removed + [j]``, for each ``j`` in ``candidates``."""
+        masks = [removal_mask(n_layers, removed + [j], device) for j in candidates]
+        sums = [0.0] * len(candidates)
+        for x in ids:
+            full = model(x).logits
+            for i, mask in enumerate(masks):
+                sums[i] += nmse(full, model(x, mask=mask).logits)
+                if bar is not None:
+                    bar.update(1)
+            del full
+        return [total / len(ids) for total in sums]
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=n_layers * (n_layers + 1) // 2, desc="depth", unit="eval")
+        bar = tqdm(total=n_layers * (n_layers + 1) // 2 * len(ids), desc="depth", unit="forward")
     removed: list[int] = []
     removal_scores: list[float] = []
     single: list[float] = []
     try:
         while len(removed) < n_layers:
             candidates = [j for j in range(n_layers) if j not in removed]
-            scores = []
-            for j in candidates:
-                scores.append(damage(removed + [j]))
-                if bar is not None:
-                    bar.update(1)
+            scores = round_scores(removed, candidates)
             if not removed:
                 single = scores
             best = min(range(len(candidates)), key=lambda i: (scores[i], candidates[i]))

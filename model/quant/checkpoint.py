@@ -250,6 +250,7 @@ def quantize_checkpoint(
     calib_batches: Iterable[Tensor] | None = None,
     calibrate_budgets: bool = True,
     dense_dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
 ) -> Path:
     """Quantize a (nested) checkpoint once and write it as a quantized checkpoint folder.
 
@@ -264,6 +265,9 @@ def quantize_checkpoint(
         dense_dtype: dtype of the tensors kept in high precision (e.g. ``torch.bfloat16``, what
             serving engines load); ``None`` keeps the source dtype. Scales and the router's
             selection bias stay fp32 either way.
+        device: where the fp8 calibration forwards run (e.g. ``"cuda"`` in a task that reserves a GPU); the
+            model comes back to the CPU before it is quantized and written, so only the observed activation
+            ranges depend on it.
 
     Returns:
         ``out_dir``. Raises ``ValueError`` for an already quantized source, an unknown format or
@@ -287,10 +291,15 @@ def quantize_checkpoint(
         from model.elastic.build_masks import hard_mask
 
         batches = list(calib_batches) if calib_batches is not None else synthetic_calibration_batches(config.vocab_size)
+        device = torch.device(device)
         masks: list[ModelMask | None] = [None]
         if calibrate_budgets:
-            masks += [hard_mask(config, a, depth_order) for a in archs.values() if a.to_dict()]
-        amax = calibrate_input_amax(model, batches, masks, preset_obj)
+            masks += [hard_mask(config, a, depth_order, device) for a in archs.values() if a.to_dict()]
+        model.to(device)
+        try:
+            amax = {k: v.cpu() for k, v in calibrate_input_amax(model, batches, masks, preset_obj).items()}
+        finally:
+            model.to("cpu")  # quantized and written on the CPU whatever the calibration device
     quantize_model(model, fmt, preset_obj, amax)
     qconfig = quantization_config(fmt, kept_dense_names(model), preset_obj.name)
     from model.elastic.export import tokenizer_files
