@@ -27,15 +27,8 @@ The memory model is the design the distillation runs on (see DESIGN.md's scale-o
 The peak is the sum of the items, as if all were alive together during the student's backward: the
 teacher's gathered layers are counted although ZeRO-3 releases them after the teacher's forward.
 
-Time: FLOPs per token are ``2 N`` for the teacher's forward and ``6 N`` for the student's forward and
-backward (``8 N`` with checkpointing: one more forward), ``N`` the matmul parameters one token uses
-(the active count without the embedding), plus causal attention ``4 T d_attn`` per attention layer
-forward and the SSD scan's state products per Mamba layer; compute time is the FLOPs of one rank over
-``peak_tflops x utilization``. ZeRO's collectives add their bytes over ``interconnect_gbps``
-(:func:`comm_bytes_per_step`): at ZeRO-3 every micro-step gathers the teacher once and the student twice
-and reduce-scatters its gradients, 4 x the model's bytes per rank, whatever the number of tokens, which
-for a sparse MoE parent (all experts gathered, few active per token) can outweigh the compute. The step
-time is their sum (no overlap assumed).
+Time and ZeRO traffic (FLOPs per token, collectives per step, step and wall time) are
+:mod:`components.plan_time`.
 """
 
 from __future__ import annotations
@@ -45,11 +38,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.plan_time import GB, PhaseTime, phase_time, time_metrics, time_rows
 from model.config import HybridConfig
 from model.elastic.params import count_params
 from model.mamba import _cpu_chunk_size
 
-GB = 1e9
 ALLREDUCE_BUCKET = 500_000_000
 """Elements DeepSpeed's data-parallel engine (ZeRO-0) flattens into one buffer to all-reduce gradients."""
 _KIND_CHAR = {"mamba": "M", "attention": "*", "moe": "E", "mlp": "-"}
@@ -116,8 +109,9 @@ class MemoryItem(_Strict):
     note: str = Field(description="How the figure is computed.")
 
 
-class PhasePlan(_Strict):
-    """The plan of one phase on the given hardware."""
+class PhasePlan(PhaseTime):
+    """The plan of one phase on the given hardware: memory and tokens here, time and traffic from
+    :class:`~components.plan_time.PhaseTime`."""
 
     name: str = Field(description="Phase name.")
     world: int = Field(description="Ranks.")
@@ -132,16 +126,6 @@ class PhasePlan(_Strict):
     host_fits: bool = Field(description="host_total_bytes <= the node's host memory.")
     tokens_per_step: int = Field(description="Tokens of one optimizer step over all ranks.")
     tokens: int = Field(description="Tokens of the whole phase.")
-    flops_per_token: float = Field(description="Teacher forward + student forward and backward (+ recompute).")
-    compute_time_s: float = Field(description="Seconds of FLOPs per step at the stated utilization.")
-    comm_bytes_per_step: float = Field(description="Bytes one rank sends in ZeRO's collectives per step.")
-    comm_time_s: float = Field(description="Seconds of those collectives per step at interconnect_gbps.")
-    step_time_s: float = Field(
-        description="compute_time_s + comm_time_s: no overlap assumed (DeepSpeed prefetches the next layer while "
-        "one computes, so a step can be as short as the larger of the two)."
-    )
-    hours: float = Field(description="Wall-clock hours of the phase.")
-    gpu_hours: float = Field(description="Accelerator hours of the phase.")
 
 
 class Plan(_Strict):
@@ -231,7 +215,7 @@ def activation_bytes(
     }
 
 
-# ---------------------------------------------------------------------- parameters and FLOPs
+# ---------------------------------------------------------------------- parameters
 def layer_params(config: HybridConfig) -> dict[str, int]:
     """Parameters of one block of each kind in the config (its norm included)."""
     outer = 2 * config.vocab_size * config.hidden_size + config.hidden_size
@@ -240,22 +224,10 @@ def layer_params(config: HybridConfig) -> dict[str, int]:
     }
 
 
-def flops_per_token(config: HybridConfig, seq_len: int, checkpointing: bool) -> dict[str, float]:
-    """Forward FLOPs per token of the teacher, and the student's forward + backward (+ recompute)."""
-    active = count_params(config).active - config.vocab_size * config.hidden_size  # the embedding is a lookup
-    kinds = config.layer_kinds
-    attn = kinds.count("attention") * 4 * (seq_len / 2) * config.num_attention_heads * config.head_dim
-    heads, p, n = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size
-    chunk = min(config.chunk_size, seq_len)
-    ssd = kinds.count("mamba") * (4 * heads * p * n + 2 * chunk * (heads * p + config.n_groups * n))
-    forward = 2 * active + attn + ssd
-    student = forward * (4 if checkpointing else 3)
-    return {"teacher": forward, "student": student, "total": forward + student}
-
-
 # ---------------------------------------------------------------------- one phase
 def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> PhasePlan:
-    """Per-rank memory, verdict and time of one phase (see the module docstring for the model)."""
+    """Per-rank memory, verdict and time of one phase (the models: this module's docstring and
+    :mod:`components.plan_time`'s)."""
     world = hw.gpus or phase.num_workers
     a = 2 if phase.bf16 else 4
     stage = phase.zero_stage
@@ -362,11 +334,6 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
     ]
     host_total = sum(i.bytes for i in host_items)
 
-    flops = flops_per_token(config, phase.seq_len, phase.activation_checkpointing)
-    compute_s = flops["total"] * tokens * phase.grad_accum_steps / (hw.peak_tflops * 1e12 * hw.utilization)
-    comm = comm_bytes_per_step(p_total * a, world, stage, phase.grad_accum_steps)
-    comm_s = comm / (hw.interconnect_gbps * 1e9 / 8)
-    step_s = compute_s + comm_s
     tokens_per_step = world * tokens * phase.grad_accum_steps
     return PhasePlan(
         name=phase.name,
@@ -382,31 +349,8 @@ def plan_phase(config: HybridConfig, phase: PhaseShape, hw: PlanHardware) -> Pha
         host_fits=host_total <= hw.host_mem_gb * GB,
         tokens_per_step=tokens_per_step,
         tokens=tokens_per_step * phase.steps,
-        flops_per_token=flops["total"],
-        compute_time_s=compute_s,
-        comm_bytes_per_step=comm,
-        comm_time_s=comm_s,
-        step_time_s=step_s,
-        hours=step_s * phase.steps / 3600,
-        gpu_hours=step_s * phase.steps * world / 3600,
+        **phase_time(config, phase, hw, world).model_dump(),
     )
-
-
-def comm_bytes_per_step(model_bytes: float, world: int, stage: int, micro_steps: int) -> float:
-    """Bytes one rank sends per optimizer step in ZeRO's collectives (ring algorithms: a rank sends
-    ``(world - 1) / world`` of the full tensor in an all-gather or a reduce-scatter, twice that in an all-reduce).
-
-    * ZeRO-3, every micro-step: the teacher's layers gathered for its forward, the student's gathered for its
-      forward and again for its backward, and its gradients reduce-scattered: 4 x the model's bytes.
-    * ZeRO-2, every micro-step: the gradients reduce-scattered; per step the updated weights all-gathered.
-    * ZeRO-0 and 1, per step: the gradients all-reduced (ZeRO-1: reduce-scatter + all-gather of the weights).
-    """
-    ring = (world - 1) / world * model_bytes
-    if stage == 3:
-        return 4 * ring * micro_steps
-    if stage == 2:
-        return ring * (micro_steps + 1)
-    return 2 * ring
 
 
 def _split(partitioned: bool, world: int) -> str:
@@ -455,17 +399,7 @@ def format_plan(plan: Plan) -> str:
     lines.append("| host per node (GB) | " + " | ".join(_host_cell(p, hw) for p in plan.phases) + " |")
     lines.append("| tokens per step | " + " | ".join(f"{p.tokens_per_step:,}" for p in plan.phases) + " |")
     lines.append("| tokens | " + " | ".join(f"{p.tokens / 1e9:.2f}B" for p in plan.phases) + " |")
-    lines.append("| TFLOP per token | " + " | ".join(f"{p.flops_per_token / 1e12:.4f}" for p in plan.phases) + " |")
-    lines.append("| compute per step (s) | " + " | ".join(f"{p.compute_time_s:.2f}" for p in plan.phases) + " |")
-    lines.append(
-        "| ZeRO traffic per step (GB per rank / s) | "
-        + " | ".join(f"{p.comm_bytes_per_step / GB:,.0f} / {p.comm_time_s:.2f}" for p in plan.phases)
-        + " |"
-    )
-    lines.append("| step time (s, no overlap) | " + " | ".join(f"{p.step_time_s:.2f}" for p in plan.phases) + " |")
-    lines.append(
-        "| wall time (h) / GPU hours | " + " | ".join(f"{p.hours:.1f} / {p.gpu_hours:,.0f}" for p in plan.phases) + " |"
-    )
+    lines += time_rows(plan.phases)
     lines.append("")
     lines.append(f"verdict: {'fits' if plan.fits else 'DOES NOT FIT'}")
     return "\n".join(lines)
@@ -490,12 +424,7 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
         out[f"{key}.total_gb"] = p.total_bytes / GB
         out[f"{key}.fits"] = float(p.fits)
         out[f"{key}.host_total_gb"] = p.host_total_bytes / GB
-        out[f"{key}.step_time_s"] = p.step_time_s
-        out[f"{key}.compute_time_s"] = p.compute_time_s
-        out[f"{key}.comm_time_s"] = p.comm_time_s
-        out[f"{key}.comm_gb_per_step"] = p.comm_bytes_per_step / GB
-        out[f"{key}.hours"] = p.hours
-        out[f"{key}.gpu_hours"] = p.gpu_hours
+        out.update(time_metrics(p, key))
         out[f"{key}.tokens"] = float(p.tokens)
     return out
 

@@ -57,9 +57,32 @@ def tiny_config() -> HybridConfig:
     return HybridConfig(**TINY)
 
 
+TINY_SPACE = dict(
+    hidden=[32, 24, 16],
+    mamba_heads=[4, 2],
+    attn_heads=[4, 2],
+    mlp_ffn=[48, 32],
+    moe_ffn=[16, 8],
+    shared_ffn=[24, 16],
+    experts=[4, 3],
+    depth=[6, 5],
+)
+"""An elastic space over every axis of ``TINY`` (``ElasticSpace(**TINY_SPACE)``), widest first."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread_session():
+    # tiny models run fastest on one thread, and tests must not oversubscribe a shared CPU; session-wide so
+    # that the checkpoints module-scoped fixtures build once run on one thread too
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    # tiny models run fastest on one thread, and tests must not oversubscribe a shared CPU
+    # a test that changes the thread count does not leak it into the next one
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -92,6 +115,18 @@ def _wait_http(url: str, proc, timeout: float, what: str) -> None:
     raise RuntimeError(f"{what} not ready at {url} after {timeout:.0f}s")
 
 
+def _stop(proc, log) -> None:
+    """Stop a server process (killed when it has not exited 10 s after SIGTERM) and close its log."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` process (SQLite backend, local artifacts) on a loopback port."""
@@ -116,12 +151,7 @@ def mlflow_server(tmp_path_factory):
         _wait_http(f"http://127.0.0.1:{port}/health", proc, 120, "mlflow server")
         yield f"http://127.0.0.1:{port}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        _stop(proc, log)
 
 
 @pytest.fixture(scope="session")
@@ -171,12 +201,7 @@ def s3_server(tmp_path_factory):
                 time.sleep(0.5)
         yield os.environ["AWS_ENDPOINT_URL"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        _stop(proc, log)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

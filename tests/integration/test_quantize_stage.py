@@ -39,14 +39,6 @@ class RecordingTracker(NullTracker):
         self.artifacts.append(Path(path).name)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def nested(tmp_path) -> Path:
     """A tiny nested checkpoint with the project's tokenizer beside it (so calibration uses real problems)."""

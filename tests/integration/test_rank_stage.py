@@ -10,51 +10,19 @@ import torch
 from components.data import DataConfig, GeneratorSource, TextTokenizer, build_demo_tokenizer
 from components.rank import CalibrationConfig, RankConfig, run_rank
 from components.tracking import MlflowTracker
-from model.config import HybridConfig
 from model.elastic.importance import Rankings
 from model.hybrid import HybridLM
-from tests.conftest import TINY
+from tests.helpers import save_rank_parent
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def ray_runtime():
-    """One local Ray runtime for the module (reused if another test already started one)."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
-    yield
-    if started:
-        ray.shutdown()
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The driver's tiny forwards run fastest single-threaded (Ray tasks get one CPU each anyway)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
 def parent_dir(tmp_path):
     """A randomly initialised tiny parent with the demo tokenizer beside it (the layout the stage expects)."""
     tok = TextTokenizer(build_demo_tokenizer())
-    cfg = HybridConfig(**{**TINY, "vocab_size": tok.vocab_size, "n_routed_experts": 6})
-    model = HybridLM(cfg).init_weights(3)
-    with torch.no_grad():  # random norms and bias so a permutation slip would show in the logits
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-        for block in model.model.layers:
-            if block.kind == "moe":
-                block.mixer.gate.e_score_correction_bias.normal_(0, 0.2)
     tok_dir = tok.save(tmp_path / "tok")
-    return model.save_pretrained(tmp_path / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
+    return save_rank_parent(tmp_path / "parent", tok.vocab_size, {p.name: p for p in tok_dir.iterdir()})
 
 
 def test_rank_stage_end_to_end(ray_runtime, parent_dir, tmp_path):

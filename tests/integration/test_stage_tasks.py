@@ -35,6 +35,7 @@ from pipelines.config import load_pipeline_config
 from pipelines.runner import MARKER, PipelineRunner
 from pipelines.stages import pipeline_stages
 from tests.conftest import TINY
+from tests.helpers import save_rank_parent
 from tests.unit.test_export_stream import BUDGETS, SPACE, build_distill_output
 
 pytestmark = pytest.mark.integration
@@ -177,15 +178,7 @@ def rank_parent(tmp_path_factory, tokenizer_files) -> Path:
     """A tiny random parent with the demo tokenizer beside it, its norms and router bias perturbed so that a
     permutation slip would show in the logits."""
     vocab = TextTokenizer.load(next(iter(tokenizer_files.values())).parent).vocab_size
-    model = HybridLM(HybridConfig(**{**TINY, "vocab_size": vocab, "n_routed_experts": 6})).init_weights(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.3 * torch.randn_like(p))
-        for block in model.model.layers:
-            if block.kind == "moe":
-                block.mixer.gate.e_score_correction_bias.normal_(0, 0.2)
-    return model.save_pretrained(tmp_path_factory.mktemp("rank") / "parent", extra_files=tokenizer_files)
+    return save_rank_parent(tmp_path_factory.mktemp("rank") / "parent", vocab, tokenizer_files)
 
 
 RANK_FEW = [

@@ -19,21 +19,10 @@ import pytest
 import yaml
 
 from pipelines.cli import build_parser, main
+from tests.helpers import write_tiny_pipeline_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_STAGES = str(REPO / "tests" / "unit" / "test_kfp_compile.py")
-
-
-def _tiny_config(tmp_path: Path, **extra) -> Path:
-    data = {
-        "run_name": "tiny",
-        "runs_dir": str(tmp_path / "runs"),
-        "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "active": 1.0}]},
-        **extra,
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def test_the_console_script_is_the_only_entry_point() -> None:
@@ -67,7 +56,7 @@ def test_kfp_compile_takes_every_option_of_the_former_module(tmp_path: Path) -> 
 def test_kfp_run_stage_runs_a_stage_as_the_former_module_did(tmp_path: Path, capsys) -> None:
     """Was ``python -m pipelines.kfp_components STAGE --config ... --storage-uri ... --upstream ...``."""
     store = tmp_path / "store"
-    config = _tiny_config(tmp_path)
+    config = write_tiny_pipeline_config(tmp_path)
     common = ["--stages-module", TINY_STAGES, "--no-tracking", "--storage-uri", str(store)]
     assert main(["kfp", "run-stage", "first", "--config", str(config), *common]) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

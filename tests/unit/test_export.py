@@ -13,20 +13,10 @@ from model.elastic.budgets import BudgetSet, UnknownBudgetError
 from model.elastic.export import export_nested, extract_budget, load_budget_model, read_elastic
 from model.elastic.router import BudgetRouter
 from model.hybrid import HybridLM
-from tests.conftest import TINY
+from tests.conftest import TINY, TINY_SPACE
 
 DEPTH_ORDER = [3, 5]  # drop the first MoE layer first, then the last one
-SPACE = ElasticSpace(
-    hidden=[32, 24, 16],
-    mamba_heads=[4, 2],
-    attn_heads=[4, 2],
-    mlp_ffn=[48, 32],
-    moe_ffn=[16, 8],
-    shared_ffn=[24, 16],
-    experts=[4, 3],
-    depth=[6, 5],
-    per_layer=True,
-)
+SPACE = ElasticSpace(**TINY_SPACE, per_layer=True)
 ARCHS = {
     "full": Architecture(),
     "mid": Architecture(hidden=24, moe_ffn=8, experts=3),

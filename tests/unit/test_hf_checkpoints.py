@@ -30,6 +30,7 @@ from model.checkpoint import (
 )
 from model.config import HybridConfig, decode_special_floats
 from tests.conftest import TINY
+from tests.helpers import perturbed_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,18 +43,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # max |logit difference
 
 def _hf_model(seed: int = 0):
     """A tiny transformers NemotronH with non-trivial values everywhere (default init leaves some constant)."""
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(seed)
-    hf = NemotronHForCausalLM(NemotronHConfig(**HF_TINY)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias", "conv1d.bias")):
-                p.add_(torch.randn_like(p) * 0.2)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
-    return hf
+    return perturbed_hf_model(HF_TINY, seed)
 
 
 def _ids(seed: int = 1) -> torch.Tensor:

@@ -8,29 +8,15 @@ import torch
 from model.config import HybridConfig
 from model.hybrid import HybridLM
 from tests.conftest import TINY
+from tests.helpers import perturbed_hf_model
 
 transformers = pytest.importorskip("transformers")
-
-
-def _hf_model(cfg: HybridConfig, seed: int = 0):
-    from transformers import NemotronHConfig, NemotronHForCausalLM
-
-    torch.manual_seed(seed)
-    hf = NemotronHForCausalLM(NemotronHConfig(**cfg.to_hf_dict())).eval()
-    with torch.no_grad():  # non-trivial values for everything the default init leaves constant
-        for name, p in hf.named_parameters():
-            if name.endswith(("norm.weight", "norm_f.weight", ".D", "dt_bias", "conv1d.bias")):
-                p.add_(torch.randn_like(p) * 0.2)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.3)
-    return hf
 
 
 @pytest.mark.parametrize("pattern", [TINY["pattern"], "E*M-MM*E"])
 def test_hf_checkpoint_loads_with_equal_logits(tmp_path, pattern):
     cfg = HybridConfig(**{**TINY, "pattern": pattern})
-    hf = _hf_model(cfg)
+    hf = perturbed_hf_model(cfg.to_hf_dict())
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     ours = HybridLM.from_pretrained(tmp_path / "hf")
     ids = torch.randint(0, cfg.vocab_size, (2, 21))

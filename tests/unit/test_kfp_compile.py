@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from pipelines.runner import MARKER, StageSpec
+from tests.helpers import write_tiny_pipeline_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO / "pipelines" / "configs" / "demo.yaml"
@@ -51,18 +52,6 @@ def _run(cfg: _Cfg, tracker, ctx) -> dict[str, Any]:
 
 def pipeline_stages() -> list[StageSpec]:
     return [StageSpec("first", [], _build_first, _run), StageSpec("second", ["first"], _build_second, _run)]
-
-
-def _config(tmp_path: Path, **extra: Any) -> Path:
-    data = {
-        "run_name": "tiny",
-        "runs_dir": str(tmp_path / "runs"),
-        "elastic": {"space": {"hidden": [64, 32]}, "budgets": [{"name": "full", "fraction": 1.0}]},
-        **extra,
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 # ---------------------------------------------------------------------- the committed pipeline
@@ -235,7 +224,7 @@ def test_a_bad_parameter_value_fails_at_its_yaml_path(tmp_path) -> None:
     from pipelines.kfp_params import parameter_defaults
     from pipelines.kfp_pipeline import run_step
 
-    defaults = parameter_defaults(load_pipeline_config(_config(tmp_path)))
+    defaults = parameter_defaults(load_pipeline_config(write_tiny_pipeline_config(tmp_path)))
     step = {"stage": "first", "executor": "local", "cluster": "", "stages_module": __file__, "run_key": "r"}
     step |= {"tracking": False, "timeout_s": 60}
     with pytest.raises(ValueError, match=r"^rank: the Kubeflow parameter is not JSON"):
@@ -251,7 +240,7 @@ def test_a_step_runs_its_stage_from_the_parameters(tmp_path) -> None:
     from pipelines.kfp_params import parameter_defaults
     from pipelines.kfp_pipeline import run_step
 
-    defaults = parameter_defaults(load_pipeline_config(_config(tmp_path)))
+    defaults = parameter_defaults(load_pipeline_config(write_tiny_pipeline_config(tmp_path)))
     step = {"executor": "local", "cluster": "", "stages_module": __file__, "run_key": "r", "tracking": False}
     uri = run_step(stage="first", timeout_s=60, **step, **defaults)
     assert uri == str((tmp_path / "runs" / "tiny" / "first").resolve())
@@ -333,7 +322,7 @@ def test_rayjob_step_submits_a_valid_rayjob_and_returns_the_stage_uri(tmp_path) 
     from pipelines.kuberay.render import demo_cluster_config
     from tests.unit.test_manifests import manifest_errors
 
-    config = _config(tmp_path)
+    config = write_tiny_pipeline_config(tmp_path)
     cluster = demo_cluster_config()
     api = FakeApi([_status("Initializing", ""), _status("Running", "RUNNING"), _status("Complete", "SUCCEEDED")])
     uri = execute_step(
@@ -380,7 +369,7 @@ def test_rayjob_failure_raises_with_the_job_message(tmp_path) -> None:
     with pytest.raises(RayJobFailed, match="AppFailed.*stage 'first' failed: boom"):
         execute_step(
             "first",
-            _config(tmp_path).read_text(),
+            write_tiny_pipeline_config(tmp_path).read_text(),
             cluster_json=demo_cluster_config().model_dump_json(),
             stages_module=__file__,
             run_key="r",
@@ -396,10 +385,12 @@ def test_rayjob_step_refuses_a_stale_pipeline_and_local_storage(tmp_path) -> Non
     kwargs = {"stages_module": __file__, "run_key": "r", "api": FakeApi([]), "poll_s": 0}
     cluster = demo_cluster_config().model_dump_json()
     with pytest.raises(ValueError, match="older than the stage list"):
-        execute_step("second", _config(tmp_path).read_text(), cluster_json=cluster, upstream=[], **kwargs)
+        execute_step(
+            "second", write_tiny_pipeline_config(tmp_path).read_text(), cluster_json=cluster, upstream=[], **kwargs
+        )
     local = demo_cluster_config().model_copy(update={"storage_uri": "/data"}).model_dump_json()
     with pytest.raises(ValueError, match="s3:// storage root"):
-        execute_step("first", _config(tmp_path).read_text(), cluster_json=local, **kwargs)
+        execute_step("first", write_tiny_pipeline_config(tmp_path).read_text(), cluster_json=local, **kwargs)
 
 
 def test_wait_times_out_and_deletes_the_job() -> None:
@@ -463,7 +454,7 @@ def test_run_stage_only_pulls_upstream_and_publishes(tmp_path) -> None:
     from pipelines.kfp_components import run_stage_only
 
     store = tmp_path / "store"
-    config = _config(tmp_path, storage_uri=str(store))
+    config = write_tiny_pipeline_config(tmp_path, storage_uri=str(store))
     quiet = {"stages_module": __file__, "tracking": False, "log": lambda s: None}
     first = run_stage_only(config, "first", **quiet)
     assert first.status == "ran" and first.uri == f"{store}/tiny/first"
@@ -481,10 +472,15 @@ def test_run_stage_only_needs_finished_upstream(tmp_path) -> None:
     from pipelines.kfp_components import run_stage_only
 
     with pytest.raises(ValueError, match=r"needs \['first'\] finished first"):
-        run_stage_only(_config(tmp_path), "second", stages_module=__file__, tracking=False, log=lambda s: None)
+        run_stage_only(
+            write_tiny_pipeline_config(tmp_path), "second", stages_module=__file__, tracking=False, log=lambda s: None
+        )
     with pytest.raises(FileNotFoundError, match="no finished output"):
         run_stage_only(
-            _config(tmp_path, storage_uri=str(tmp_path / "empty")), "second", stages_module=__file__, tracking=False
+            write_tiny_pipeline_config(tmp_path, storage_uri=str(tmp_path / "empty")),
+            "second",
+            stages_module=__file__,
+            tracking=False,
         )
 
 
@@ -497,7 +493,7 @@ def test_pipeline_run_of_a_step_has_the_source_tags_of_star_elastic_run(tmp_path
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = _config(tmp_path, tracking_uri=uri, experiment="kfp-tags")
+    config = write_tiny_pipeline_config(tmp_path, tracking_uri=uri, experiment="kfp-tags")
     run_stage_only(config, "first", stages_module=__file__, run_key="run-7", config_file="conf.yaml", log=print)
     cfg = load_pipeline_config(config)
     client = MlflowClient(uri)

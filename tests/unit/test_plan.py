@@ -12,12 +12,12 @@ from components.plan import (
     PhaseShape,
     PlanHardware,
     activation_bytes,
-    flops_per_token,
     layer_activation_bytes,
     log_plan,
     make_plan,
     plan_phase,
 )
+from components.plan_time import flops_per_token
 from model.config import HybridConfig
 from model.elastic.params import count_params
 

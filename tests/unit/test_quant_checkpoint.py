@@ -114,15 +114,6 @@ def input_ids() -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy machine thread hand-offs dominate."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def nested(tmp_path_factory) -> Path:
     return build_nested(tmp_path_factory.mktemp("quant") / "nested")

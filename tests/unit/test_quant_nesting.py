@@ -29,14 +29,6 @@ FORMATS = ["fp8", "nvfp4"]
 BUDGETS = ["mid", "small"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """Nested checkpoints quantized once per (format, preset); "all" also quantizes attention (o_proj gathers)."""

@@ -11,22 +11,12 @@ from model.config import HybridConfig
 from model.elastic import ElasticSpace, count_params, soft_mask
 from model.elastic.budgets import Budget, BudgetSet, UnknownBudgetError, smallest_active_fraction
 from model.elastic.router import BudgetRouter, RouterConfig
-
-SPACE = dict(
-    hidden=[32, 24, 16],
-    mamba_heads=[4, 2],
-    attn_heads=[4, 2],
-    mlp_ffn=[48, 32],
-    moe_ffn=[16, 8],
-    shared_ffn=[24, 16],
-    experts=[4, 3],
-    depth=[6, 5],
-)
+from tests.conftest import TINY_SPACE
 
 
 @pytest.fixture
 def space() -> ElasticSpace:
-    return ElasticSpace(**SPACE, per_layer=True)
+    return ElasticSpace(**TINY_SPACE, per_layer=True)
 
 
 @pytest.fixture
@@ -191,7 +181,7 @@ def test_per_layer_argmax_gives_layer_overrides(tiny_config, space, budgets):
     assert arch.layers[moe_layers[0]].moe_ffn == 16 and arch.layers[moe_layers[1]].moe_ffn == 8
     arch.validate(tiny_config, space)
     with pytest.raises(ValueError, match="per_layer"):
-        BudgetRouter(tiny_config, ElasticSpace(**SPACE), budgets, RouterConfig(per_layer=True))
+        BudgetRouter(tiny_config, ElasticSpace(**TINY_SPACE), budgets, RouterConfig(per_layer=True))
 
 
 def test_axes_without_layers_get_no_head(budgets):
