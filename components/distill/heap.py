@@ -2,28 +2,26 @@
 
 A ZeRO-3 worker gathers and frees every layer of the teacher and of the student in every micro-step (the
 teacher once, the student for its forward and again for its backward, plus its gradients before their
-reduce-scatter): a step of a 103M-parameter float32 model on 2 ranks allocates about 9 GB (ZeRO-0: 4.6 GB;
-torch's profiler), mostly blocks of 0.1-40 MB. On a CPU these are glibc heap blocks. glibc serves a block
-from its own memory mapping (returned to the system when freed) only from its mmap threshold up, and
-raises that threshold by itself, up to 32 MB, each time such a block is freed; blocks below it come from
-the heap and stay resident after they are freed. A ZeRO-3 worker therefore ends up holding the freed
-gather buffers of earlier layers: up to 0.98 GB of free heap beside 1.25-1.45 GB of live memory in that
-measurement (``benchmarks/bench_zero_memory.py``), so what partitioning saves (ZeRO-3 / ZeRO-0: 0.54 of
-the resident peak once freed blocks are returned) shows up as 0.84-0.88.
+reduce-scatter): a step allocates several times the model's bytes, mostly blocks of a fraction of a layer
+to a whole layer. On a CPU these are glibc heap blocks. glibc serves a block from its own memory mapping
+(returned to the system when freed) only from its mmap threshold up, and raises that threshold by itself,
+up to 32 MB, each time such a block is freed; blocks below it come from the heap and stay resident after
+they are freed. A ZeRO-3 worker therefore ends up holding the freed gather buffers of earlier layers beside
+its live memory, and most of what partitioning saves does not show in the resident peak
+(``benchmarks/RESULTS.md``, "Sharded distillation", has the figures).
 
 Pinning the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc raising it) makes every block
 of that size or more a mapping of its own, so the resident peak follows the live memory. The price is a page
 fault for every page of every such block when it is first written: the kernel maps and zeroes fresh pages
-instead of reusing the heap's (measured: 1.85 million faults and 7 s of kernel time per step of that
-benchmark, about 2x ZeRO-0's step; RESULTS.md). ``host_heap: {}`` keeps glibc as it is: faster, more memory.
+instead of reusing the heap's, which dominates a CPU step's extra time at ZeRO-3 (RESULTS.md, same
+section). ``host_heap: {}`` keeps glibc as it is: faster, more memory.
 
 Design choices:
 
 * Only ZeRO-3 CPU workers pin the threshold by default (:func:`policy_for`, threshold
   :data:`ZERO3_CPU_MMAP_THRESHOLD`: glibc's own starting value, kept instead of raised). Below ZeRO-3
   nothing is gathered: the same gradient and activation blocks come back every step and the heap reuses them
-  (0.13-0.14 GB of free heap measured at ZeRO-0's peak, its backward), so returning them would cost 5x the
-  page faults to save 0.15 GB.
+  (little free heap at ZeRO-0's peak), so returning them would multiply the page faults to save little.
 * GPU workers never touch glibc: their gathered layers, gradients and activations live in the CUDA caching
   allocator, which reuses its own blocks; a pinned host threshold would only add page faults to the host
   side of a GPU run.

@@ -62,15 +62,6 @@ SPACE = ElasticSpace(
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation cost (and suffer on a loaded machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @torch.no_grad()
 def randomize(model: HybridLM, seed: int = 0) -> HybridLM:
     """Give every tensor a random value of a sensible scale (norms around 1, router bias non-zero)."""

@@ -40,14 +40,6 @@ NANO_V3 = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def active_from_tensors(model) -> float:
     """Count the extracted model's tensors, routed experts weighted top-k of E (independent of the formula)."""
     n = 0.0

@@ -26,15 +26,6 @@ from tests.conftest import TINY
 CFG = dict(TINY, pattern="M*ME-E*M", n_routed_experts=6, num_experts_per_tok=2, use_bias=True, mlp_bias=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest single-threaded (and do not fight other processes for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _parent(seed: int = 0, **changes) -> HybridLM:
     """A tiny parent whose every tensor is random, so no permutation bug can hide behind a constant."""
     m = HybridLM(HybridConfig(**{**CFG, **changes})).init_weights(seed)
