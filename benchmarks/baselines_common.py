@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from components.distill.config import DistillConfig
-from components.distill.worker import draw_budget
+from components.distill.draws import draw_budget
 from components.lm_eval import task_accuracy
 
 

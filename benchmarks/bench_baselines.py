@@ -66,7 +66,7 @@ from benchmarks.baselines_phase2 import phase2_section, phase2_table, run_phase2
 from benchmarks.common import format_table, load_average, machine_info, replace_section, save_json, set_threads  # noqa: E402
 from components.data import ProblemConfig, TextTokenizer, derive_seed, make_batch, make_data_batch  # noqa: E402
 from components.distill.config import DistillConfig  # noqa: E402
-from components.distill.worker import lr_factor  # noqa: E402
+from components.distill.draws import lr_factor  # noqa: E402
 from components.evaluate import problem_sets  # noqa: E402
 from model.elastic.export import read_elastic  # noqa: E402
 from model.elastic.losses import kd_loss  # noqa: E402

@@ -25,7 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 from benchmarks.common import format_table, machine_info, set_threads
 from components.data import ProblemConfig, TextTokenizer, build_demo_tokenizer, make_batch
-from components.distill.worker import ElasticStudent, elastic_loss, router_generator
+from components.distill.draws import router_generator
+from components.distill.worker import ElasticStudent, elastic_loss
 from components.parent import DEMO_PARENT_ARCH
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet

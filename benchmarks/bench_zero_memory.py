@@ -10,9 +10,12 @@ process-group setup, the plan's prediction for the same config (:func:`component
 ``device="cpu"``), the step time and, per step, the CPU seconds, the system (kernel) seconds and the minor
 page faults: on a loaded machine the wall time mostly measures the neighbours, the CPU time much less so.
 
-The workers are two ``torch.distributed`` processes (gloo) started by this script, not Ray Train
-workers: Ray Train adds its own controller, reports and object store to each process, which would
-blur what the distillation itself holds; everything the workers run is the worker module's code.
+The workers are two ``torch.distributed`` processes (gloo) started by this script: that isolates what the
+distillation itself holds, and everything they run is the worker module's code. ``--ray-train`` runs the
+distill stage itself instead (:func:`components.distill.stage.run_distill`: 2 Ray Train workers, local Ray),
+reading each run's ``memory/host_peak_gb``, the largest over ranks of the resident peak above the worker's
+baseline after imports and process-group setup, which every Ray Train worker logs
+(:func:`components.distill.worker.memory_peaks`).
 
 Peak memory is the kernel's high-water mark (``VmHWM``), restarted after the baseline and at the end of
 each phase of a step (teacher forward, student forward + loss, backward, optimizer step;
@@ -20,6 +23,7 @@ each phase of a step (teacher forward, student forward + loss, backward, optimiz
 
     .venv/bin/python -m benchmarks.bench_zero_memory            # ~100M parent, 4 steps, worker default vs glibc
     .venv/bin/python -m benchmarks.bench_zero_memory --variants worker glibc pinned-coalesced glibc-per-parameter
+    .venv/bin/python -m benchmarks.bench_zero_memory --ray-train   # the same through Ray Train (memory, step)
     .venv/bin/python -m benchmarks.bench_zero_memory --tiny     # a seconds-long smoke run
 """
 
@@ -328,6 +332,46 @@ def planned(parent: Path, stage: int, variant: str, args: argparse.Namespace) ->
     return plan_phase(read_config(parent)[0], PhaseShape.of(f"zero{stage}", cfg), hw)
 
 
+def run_ray_train(parent: Path, stage: int, variant: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One (ZeRO stage, variant) through the distill stage on 2 Ray Train workers: the largest rank's resident
+    peak above its baseline (bytes) and the step wall times after the first (from the logged token rate)."""
+    from components.distill.config import DistillConfig
+    from components.distill.stage import run_distill
+
+    settings = distill_settings(parent, work / f"ray-{variant}-zero{stage}" / "output", stage, variant, args)
+    cfg = DistillConfig(**settings, log_every=1, checkpoint_every=args.steps, max_failures=0)
+    before = os.getloadavg()[0]
+    out = run_distill(cfg)
+    rows = json.loads((Path(out.checkpoint_uri) / "history.json").read_text())  # one row per step (log_every 1)
+    tokens = cfg.micro_batch_size * cfg.seq_len * cfg.num_workers * cfg.grad_accum_steps
+    elapsed = [tokens * (i + 1) / r["tokens_per_s"] for i, r in enumerate(rows)]
+    step_s = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)]
+    return {
+        "peak_bytes": max(r["memory/host_peak_gb"] for r in rows) * GB,
+        "step_s": statistics.median(step_s or elapsed),
+        "kd": [r["kd"] for r in rows],
+        "load": (before, os.getloadavg()[0]),
+    }
+
+
+def report_ray_train(results: dict[tuple[str, int], dict[str, Any]], args: argparse.Namespace) -> None:
+    """The Ray Train table and ratios."""
+    print("\nRay Train, 2 workers (distill stage):\n")
+    print("| allocator / gathers | ZeRO | peak GB (largest rank) | plan GB | peak / plan | step s | load |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for (variant, stage), res in results.items():
+        peak, plan = res["peak_bytes"] / GB, res["plan_bytes"] / GB
+        print(f"| {VARIANTS[variant][0]} | {stage} | {peak:.2f} | {plan:.2f} | {peak / plan:.2f} | "
+              f"{res['step_s']:.2f} | {res['load'][0]:.1f} -> {res['load'][1]:.1f} |")  # fmt: skip
+    for variant in args.variants:
+        if (variant, 0) in results and (variant, 3) in results:
+            z0, z3 = results[(variant, 0)], results[(variant, 3)]
+            diff = max(abs(a - b) for a, b in zip(z0["kd"], z3["kd"], strict=True))
+            print(f"\n{VARIANTS[variant][0]}: ZeRO-3 / ZeRO-0 peak {z3['peak_bytes'] / z0['peak_bytes']:.2f}, "
+                  f"step {z3['step_s'] / z0['step_s']:.2f}; KD per step ZeRO-0 {[round(v, 6) for v in z0['kd']]}, "
+                  f"ZeRO-3 largest difference {diff:.1e}")  # fmt: skip
+
+
 def _median(ranks: list[dict[str, Any]], key: str) -> float:
     """Median of ``key`` over both ranks' steps after the first (the first also allocates Adam's moments)."""
     return statistics.median(s[key] for r in ranks for s in (r["steps"][1:] or r["steps"]))
@@ -397,6 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true", help="print rank 0's top functions in its second step")
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 3])
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run")
+    ap.add_argument("--ray-train", action="store_true", help="run the distill stage on 2 Ray Train workers instead")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_zero_memory")
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -419,6 +464,19 @@ def main(argv: list[str] | None = None) -> None:
         f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min)"
     )
     results: dict[tuple[str, int], dict[str, Any]] = {}
+    if args.ray_train:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False)
+        with tempfile.TemporaryDirectory(dir=args.work) as tmp:
+            for variant in args.variants:
+                for stage in args.stages:
+                    res = run_ray_train(parent, stage, variant, args, Path(tmp))
+                    results[(variant, stage)] = {**res, "plan_bytes": planned(parent, stage, variant, args).total_bytes}
+        ray.shutdown()
+        report_ray_train(results, args)
+        print(f"\nload average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        return
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for variant in args.variants:
             for stage in args.stages:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
+import sys
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -105,10 +107,16 @@ def apply(config: HostHeapConfig | None) -> dict[str, bool]:
 def trim() -> bool:
     """Hand the heap's free pages back to the system (glibc ``malloc_trim(0)``); False where unavailable or when
     nothing was released. Building under ``zero.Init`` and loading tensor by tensor allocates and frees a full copy
-    of every tensor; one call after building returns what the heap kept of them (about 0.5 GB after building a
-    103M-parameter teacher and student at ZeRO-3 on 2 ranks) in milliseconds."""
+    of every tensor; one call after building returns what the heap kept of them, in milliseconds."""
     malloc_trim = _fn("malloc_trim")
     return bool(malloc_trim is not None and malloc_trim(0))
+
+
+def resident_peak_bytes() -> int:
+    """This process's resident-memory high-water mark since it started (``getrusage``: KiB on Linux, bytes on
+    macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def mallinfo() -> dict[str, int]:

@@ -55,7 +55,6 @@ Design choices:
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -70,6 +69,7 @@ from torch import Tensor, nn
 from components.data import TextTokenizer, derive_seed, make_data_batch
 from components.distill import ckpt, heap, zero3
 from components.distill.config import DistillConfig, resolve_step_callback
+from components.distill.draws import draw_budget, draw_hard_sample, lr_factor, router_generator
 from model.checkpoint import read_config
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
@@ -131,41 +131,6 @@ class ElasticStudent(nn.Module):
 
 
 # ---------------------------------------------------------------------- step pieces (no Ray, no DeepSpeed)
-def draw_budget(seed: int, phase: int, step: int, probs: list[float], micro: int = 0) -> int:
-    """Index (largest budget first) of the budget trained in micro-batch ``micro`` of ``step``; the same on every
-    rank. Micro-batch 0 keeps the draw of a run without accumulation."""
-    key = derive_seed("budget", seed, phase, step) if micro == 0 else derive_seed("budget", seed, phase, step, micro)
-    g = torch.Generator().manual_seed(key)
-    return int(torch.multinomial(torch.tensor(probs, dtype=torch.float64), 1, generator=g).item())
-
-
-def router_generator(seed: int, phase: int, step: int, micro: int = 0, rank: int | None = None) -> torch.Generator:
-    """CPU generator of the router's Gumbel noise in micro-batch ``micro`` of ``step``.
-
-    With ``rank`` the noise is this rank's own (as in the method: every data-parallel rank draws its own
-    relaxed sample of the shared budget); ``rank=None`` gives one stream shared by every rank.
-    """
-    if rank is not None:
-        return torch.Generator().manual_seed(derive_seed("router", seed, phase, step, micro, "rank", rank))
-    key = derive_seed("router", seed, phase, step) if micro == 0 else derive_seed("router", seed, phase, step, micro)
-    return torch.Generator().manual_seed(key)
-
-
-def draw_hard_sample(seed: int, phase: int, step: int, micro: int, prob: float) -> bool:
-    """Whether micro-batch ``micro`` of ``step`` uses a hard straight-through router sample; the same on every
-    rank (one coin per micro-step, like the budget)."""
-    g = torch.Generator().manual_seed(derive_seed("hard", seed, phase, step, micro))
-    return bool(torch.rand((), generator=g).item() < prob)
-
-
-def lr_factor(step: int, steps: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr: linear warmup over ``warmup`` steps, then cosine to ``min_ratio``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, steps - warmup)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
-
-
 def elastic_loss(
     model: nn.Module,
     teacher: HybridLM,
@@ -340,6 +305,16 @@ def router_report(
     return out
 
 
+def memory_peaks(device: torch.device, host_baseline: int) -> dict[str, float]:
+    """Largest over ranks, GB: the host's resident peak above ``host_baseline`` and the accelerator's allocated
+    peak (0 on CPU), for comparing a run with ``star-elastic plan``. One small all-reduce: call on every rank."""
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peaks = torch.tensor([heap.resident_peak_bytes() - host_baseline, device_peak], dtype=torch.float64)
+    peaks = peaks.to(device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return {"memory/host_peak_gb": peaks[0].item() / 1e9, "memory/device_peak_gb": peaks[1].item() / 1e9}
+
+
 def _fmt_eta(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
@@ -367,6 +342,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
+    host_baseline = heap.resident_peak_bytes()  # after imports and process-group setup: what the run adds is above
 
     from components.storage import materialize
     from components.tracking import NullTracker, tracker_for_worker
@@ -475,6 +451,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
                 "data/dropped_rows_rank0": float(data_counts[1]),
             }
             row["loss"] = row["kd"] + cfg.alpha * row["budget_loss"]
+            row.update(memory_peaks(device, host_baseline))
             for i, b in enumerate(budgets.budgets):
                 if acc[i, 2] > 0:
                     row[f"kd/{b.name}"] = acc[i, 0].item() / count[i].item()

@@ -256,7 +256,8 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from components.distill import zero3
-    from components.distill.worker import build_engine, build_student, build_teacher, elastic_loss, router_generator
+    from components.distill.draws import router_generator
+    from components.distill.worker import build_engine, build_student, build_teacher, elastic_loss
     from model.checkpoint import read_config
     from model.elastic.params import count_params
 

@@ -15,14 +15,8 @@ import torch
 
 from components.data import TextTokenizer, build_demo_tokenizer, make_data_batch
 from components.distill import DistillConfig
-from components.distill.worker import (
-    ElasticStudent,
-    deepspeed_config,
-    draw_budget,
-    elastic_loss,
-    param_groups,
-    router_generator,
-)
+from components.distill.draws import draw_budget, router_generator
+from components.distill.worker import ElasticStudent, deepspeed_config, elastic_loss, param_groups
 from model.config import HybridConfig
 from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from components.distill.config import DistillConfig, with_router_schedule
-from components.distill.worker import deepspeed_config, draw_budget, draw_hard_sample, router_generator
+from components.distill.draws import draw_budget, draw_hard_sample, router_generator
+from components.distill.worker import deepspeed_config
 from model.elastic import ElasticSpace
 from model.elastic.budgets import BudgetSet
 from model.elastic.router import BudgetRouter, RouterConfig
