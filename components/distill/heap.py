@@ -38,6 +38,7 @@ import ctypes.util
 import functools
 import resource
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -112,11 +113,37 @@ def trim() -> bool:
     return bool(malloc_trim is not None and malloc_trim(0))
 
 
+def _status_bytes(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field in bytes (Linux), else None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def resident_peak_bytes() -> int:
-    """This process's resident-memory high-water mark since it started (``getrusage``: KiB on Linux, bytes on
-    macOS)."""
+    """This process's resident-memory high-water mark: since :func:`restart_resident_peak` on Linux
+    (``VmHWM``), else since the process started (``getrusage``: KiB on Linux, bytes on macOS)."""
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def restart_resident_peak() -> int:
+    """Restart the high-water mark at the resident memory now and return that (bytes): the baseline a peak is
+    measured above. Without the restart a transient peak while importing would hide what the run adds.
+    Linux (``/proc/self/clear_refs``); elsewhere the mark is not restarted and the peak so far is returned."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return resident_peak_bytes()
+    rss = _status_bytes("VmRSS")
+    return rss if rss is not None else resident_peak_bytes()
 
 
 def mallinfo() -> dict[str, int]:

@@ -342,7 +342,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if cfg.use_gpu else "gloo")
-    host_baseline = heap.resident_peak_bytes()  # after imports and process-group setup: what the run adds is above
+    host_baseline = heap.restart_resident_peak()  # after imports and process-group setup: the run adds the rest
 
     from components.storage import materialize
     from components.tracking import NullTracker, tracker_for_worker
