@@ -18,7 +18,7 @@ import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -158,32 +158,28 @@ class BudgetModel(HybridLM):
         self.name = name
         self.plan: DecodePlan | None = None
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        cache: HybridCache | None = None,
-        use_cache: bool = False,
-        mask: ModelMask | None = None,
-        logits_to_keep: int = 0,
-        return_hidden: bool = False,
-        skip_logits: bool = False,
-    ) -> CausalLMOutput:
-        """As :meth:`HybridLM.forward`; ``mask`` only when no budget mask is set (it is applied for you).
+    def forward(self, input_ids: Tensor, cache: HybridCache | None = None, **options: Any) -> CausalLMOutput:
+        """:meth:`HybridLM.forward` (``options``: its other arguments, by keyword) with the budget's mask applied
+        for you: ``mask`` only when no budget mask is set.
 
         A single-token cached step without a mask runs the budget's :meth:`decode_plan`.
         """
+        mask = options.pop("mask", None)
         if mask is not None and self.budget_mask is not None:
             raise ValueError(f"budget {self.name!r} already applies its own mask; pass mask=None")
         mask = mask if mask is not None else self.budget_mask
-        if mask is None and DecodePlan.accepts(input_ids, cache, None, skip_logits):
-            return self.decode_plan()(input_ids, cache, return_hidden)
-        return super().forward(input_ids, cache, use_cache, mask, logits_to_keep, return_hidden, skip_logits)
+        if mask is None and DecodePlan.accepts(input_ids, cache, None, options.get("skip_logits", False)):
+            return self.decode_plan()(input_ids, cache, options.get("return_hidden", False))
+        return super().forward(input_ids, cache, mask=mask, **options)
 
-    def decode_plan(self) -> DecodePlan | None:
-        """This budget's :class:`~model.decode.plan.DecodePlan` (built once), or None under a budget mask."""
+    def decode_plan(self, rebuild: bool = False) -> DecodePlan | None:
+        """This budget's :class:`~model.decode.plan.DecodePlan` (built once), or None under a budget mask.
+
+        ``rebuild``: build it again, after the parent's weights changed in place (a plan is built for one set
+        of weights: :meth:`DecodePlan.stale <model.decode.plan.DecodePlan.stale>`)."""
         if self.budget_mask is not None:
             return None
-        if self.plan is None:
+        if self.plan is None or rebuild:
             self.plan = DecodePlan(self)
         return self.plan
 

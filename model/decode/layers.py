@@ -4,10 +4,12 @@ Each step computes what :class:`~model.hybrid.Block` computes for one cached tok
 on the residual stream x: (batch, hidden), with the same dtypes as the layers (the SSM recurrence and the
 router in float32, everything else in the weights' dtype, a float32 residual stream when the config asks
 for one). They take fewer operators than the layers: no mask or dtype branches, the residual added by
-the last GEMM, a single token's expert routing finished on the host; the conv and the SSM advance through
-the same :func:`~model.mamba.conv_step` and :func:`~model.ssd.ssd_step` as the layer. A case a step does
-not cover (an empty cache, an observer on the router, quantized experts) runs the layer itself
-(:class:`ReferenceStep`).
+the last GEMM, a single token's expert routing finished on the host, several tokens' routing and experts
+in one dense pass, the Mamba step's weight-derived tensors computed once when the step is built. The conv
+and the SSM advance through the same :func:`~model.mamba.conv_step` and :func:`~model.ssd.ssd_step` as the
+layer; the SSM state is written in place only when the decode package allocated it
+(:mod:`model.decode.states`). A case a step does not cover (an empty cache, an observer on the router,
+quantized experts) runs the layer itself (:class:`ReferenceStep`).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache import HybridCache, MambaCache
-from model.decode.ops import cast, linear, rms_norm
+from model.decode.ops import cast, hooked, linear, rms_norm
+from model.decode.split_linear import RowSplitLinear, row_span
+from model.decode.states import own, owned
 from model.hybrid import Block
 from model.mamba import conv_step
-from model.moe import Experts
+from model.moe import Experts, expert_path
 from model.ssd import ssd_step
 
 F32 = torch.float32
@@ -35,6 +39,10 @@ class ReferenceStep:
     def __call__(self, x: Tensor, cache: HybridCache, index: int) -> Tensor:
         """x: (batch, hidden) residual stream -> the block's output, same shape; updates ``cache[index]``."""
         return self.block(x[:, None], cache, index, True, None, None, None)[:, 0]
+
+    def stale(self) -> bool:
+        """Whether tensors this step derived from the weights no longer match them (none here)."""
+        return False
 
 
 class _Step(ReferenceStep):
@@ -64,7 +72,15 @@ class MLPStep(_Step):
 
 
 class MambaStep(_Step):
-    """:meth:`Mamba2Mixer.step <model.mamba.Mamba2Mixer.step>` with the residual added by ``out_proj``."""
+    """:meth:`Mamba2Mixer.step <model.mamba.Mamba2Mixer.step>` with the residual added by ``out_proj``.
+
+    The tensors a step derives from the weights are derived once, when the step is built (:meth:`derive`):
+    ``A = -exp(A_log)``, ``D`` and ``dt_bias`` in float32 and the conv taps laid out time-major (the layout
+    :func:`~model.mamba.conv_step` computes in, so it copies nothing). A step re-derives them when a source
+    tensor is replaced (its data pointer changes: ``.to()``, ``.data =``, a new parameter), not when one is
+    updated in place: build a new plan after changing the weights in place. An SSM state the decode
+    package allocated itself (:mod:`model.decode.states`) is advanced in place.
+    """
 
     def __init__(self, block: Block) -> None:
         super().__init__(block)
@@ -73,30 +89,81 @@ class MambaStep(_Step):
         self.xbc_sizes = [m.d_inner, m.n_groups * m.state_size, m.n_groups * m.state_size]
         self.heads, self.head_dim, self.groups, self.state = m.num_heads, m.head_dim, m.n_groups, m.state_size
         self.dt_min, self.dt_max = m.dt_min, m.dt_max
-        self.params, self.conv, norm = m._parameters, m._modules["conv1d"], m._modules["norm"]
-        self.norm_weight, self.group_size, self.norm_eps = norm._parameters, norm.group_size, norm.eps
+        self.params, self.conv, norm = m._parameters, m._modules["conv1d"]._parameters, m._modules["norm"]
+        self.norm_weight, self.norm_eps = norm._parameters, norm.eps
         self.in_proj, self.out_proj = m._modules["in_proj"], m._modules["out_proj"]
+        self.derive()
+
+    def sources(self) -> tuple[int, ...]:
+        """The data pointers of the tensors :meth:`derive` reads (0 for a missing conv bias; the in_proj
+        weight stands for the runs of a split one)."""
+        p, conv, bias = self.params, self.conv, self.conv["bias"]
+        return (
+            p["A_log"].data_ptr(),
+            p["D"].data_ptr(),
+            p["dt_bias"].data_ptr(),
+            conv["weight"].data_ptr(),
+            0 if bias is None else bias.data_ptr(),
+            self.in_proj.runs[0][0].data_ptr() if type(self.in_proj) is RowSplitLinear else 0,
+        )
+
+    def derive(self) -> None:
+        """Derive ``A`` (heads,) = -exp(A_log), ``D`` / ``dt_bias`` (heads,) in float32, and the conv weight
+        (conv_dim, 1, K) as a view of contiguous (K, conv_dim) taps, from the current weights."""
+        p = self.params
+        self.key = self.sources()
+        self.A = torch.exp(p["A_log"].detach().to(F32)).neg_()
+        self.D = cast(p["D"].detach(), F32)
+        self.dt_bias = cast(p["dt_bias"].detach(), F32)
+        weight = self.conv["weight"].detach()  # (conv_dim, 1, K)
+        self.conv_weight = weight.squeeze(1).t().contiguous().t().unsqueeze(1)
+        # a budget's in_proj keeping some heads of every group: one GEMM over the span of its row runs,
+        # then the kept outputs (two operators, not one GEMM per run and a cat)
+        proj = self.in_proj
+        self.in_span = row_span(proj) if type(proj) is RowSplitLinear and not hooked(proj) else None
+
+    def stale(self) -> bool:
+        """Whether the derived tensors no longer match the weights (an in-place update since :meth:`derive`;
+        a replaced source is derived again by the next step)."""
+        if self.sources() != self.key:
+            return False
+        p = self.params
+        A = torch.exp(p["A_log"].detach().to(F32)).neg_()
+        return not (
+            torch.equal(self.A, A)
+            and torch.equal(self.D, p["D"].detach().to(F32))
+            and torch.equal(self.dt_bias, p["dt_bias"].detach().to(F32))
+            and torch.equal(self.conv_weight, self.conv["weight"].detach())
+        )
 
     def __call__(self, x: Tensor, cache: HybridCache, index: int) -> Tensor:
         layer = cache.layers[index]
         if not isinstance(layer, MambaCache):  # a first token without prefill
             return super().__call__(x, cache, index)
+        if self.sources() != self.key:  # a weight was replaced (moved, cast, reassigned)
+            self.derive()
         b = x.shape[0]
         h, p, g, n = self.heads, self.head_dim, self.groups, self.state
-        z, xbc, dt = linear(self.in_proj, self.normed(x)).split_with_sizes(self.sizes, -1)  # 1.
-        conv = self.conv._parameters
-        act, conv_state = conv_step(layer.conv, xbc, conv["weight"], conv["bias"])  # 2.
-        xs, B, C = F.silu(act, inplace=True).split_with_sizes(self.xbc_sizes, -1)
-        params = self.params
-        dt = F.softplus(cast(dt, F32) + cast(params["dt_bias"], F32)).clamp_(self.dt_min, self.dt_max)  # 3.
-        A = torch.exp(cast(params["A_log"], F32)).neg_()
-        y, ssm = ssd_step(layer.ssm, xs.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), params["D"])
-        gated = F.silu(cast(z, F32)).mul_(y.view(b, -1))  # 4. gated group norm, float32 statistics
-        weight = self.norm_weight["weight"]
-        if g == 1:
-            gated = rms_norm(gated, None, self.norm_eps)
+        if self.in_span is None or hooked(self.in_proj):  # 1.
+            proj = linear(self.in_proj, self.normed(x))
         else:
-            gated = F.rms_norm(gated.view(b, g, -1), (self.group_size,), None, self.norm_eps).view(b, -1)
+            weight, bias, keep = self.in_span
+            proj = F.linear(self.normed(x), weight, bias).index_select(-1, keep)
+        z, xbc, dt = proj.split_with_sizes(self.sizes, -1)
+        act, conv_state = conv_step(layer.conv, xbc, self.conv_weight, self.conv["bias"])  # 2.
+        xs, B, C = F.silu(act, inplace=True).split_with_sizes(self.xbc_sizes, -1)
+        dt = F.softplus(cast(dt, F32) + self.dt_bias).clamp_(self.dt_min, self.dt_max)  # 3.
+        state = layer.ssm
+        inplace = owned(state)
+        y, ssm = ssd_step(state, xs.view(b, h, p), dt, self.A, B.view(b, g, n), C.view(b, g, n), self.D, inplace)
+        if not inplace and ssm.dtype == F32:  # a new float32 state: the next step may write it
+            own(ssm)
+        gated = F.silu(cast(z, F32))  # 4. gated group norm, float32 statistics
+        if g == 1:
+            gated = rms_norm(gated.mul_(y.view(b, -1)), None, self.norm_eps)
+        else:
+            gated = rms_norm(gated.view(b, g, -1).mul_(y.view(b, g, -1)), None, self.norm_eps).view(b, -1)
+        weight = self.norm_weight["weight"]
         gated = cast(gated, weight.dtype).mul_(weight)
         cache.layers[index] = MambaCache(conv_state, ssm)
         return linear(self.out_proj, gated, x)
@@ -170,7 +237,10 @@ class MoEStep(_Step):
 
     One token (:meth:`one`): its routing is finished on the host, the selected experts' scores renormalised
     in Python floats, and each selected expert's output added, scaled, onto the sum (only those experts'
-    weights are read). Several tokens (:meth:`rows`): the router and :class:`~model.moe.Experts` as they are.
+    weights are read). Several tokens whose experts take the dense path (:meth:`dense_rows`): routing and
+    experts in one pass, every expert on every row, mixed by a dense (rows, experts) routing matrix, the
+    sum added by the down projection's GEMM. Otherwise (:meth:`rows`) the router and
+    :class:`~model.moe.Experts` as they are.
     """
 
     def __init__(self, block: Block) -> None:
@@ -185,14 +255,28 @@ class MoEStep(_Step):
             return super().__call__(x, cache, index)  # observed, grouped routing, or quantized experts
         h = self.normed(x)
         base = x if self.shared is None else mlp(self.shared, h, x)
-        return self.one(h, base) if h.shape[0] == 1 else self.rows(h, base)
+        t = h.shape[0]
+        if t == 1:
+            return self.one(h, base, base is not x)
+        e, f, hidden = experts._parameters["up_proj"].shape
+        if expert_path(t, gate.top_k, e, f, hidden) == "dense":
+            return self.dense_rows(h, base)
+        return self.rows(h, base)
 
-    def one(self, h: Tensor, base: Tensor) -> Tensor:
-        """h: (1, hidden) normed token, base: (1, hidden) residual (+ shared expert) -> base + routed experts."""
+    def scores(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """The router's float32 scores (T, E) = sigmoid(h @ weight.T) and the selection scores (+ bias)."""
+        gate = self.gate
+        scores = torch.sigmoid(F.linear(cast(h, F32), cast(gate._parameters["weight"], F32)))
+        return scores, scores + cast(gate._buffers["e_score_correction_bias"], F32)
+
+    def one(self, h: Tensor, base: Tensor, fresh: bool) -> Tensor:
+        """h: (1, hidden) normed token, base: (1, hidden) residual (+ shared expert) -> base + routed experts.
+
+        ``fresh``: base is a tensor of this step's own (the shared expert's output), so the experts' outputs
+        are added onto it in place; otherwise (the residual stream itself) onto a new tensor."""
         gate, params = self.gate, self.experts._parameters
-        scores = torch.sigmoid(F.linear(cast(h, F32), cast(gate._parameters["weight"], F32)))  # (1, E)
-        bias = cast(gate._buffers["e_score_correction_bias"], F32)
-        idx = torch.topk(scores + bias, gate.top_k, sorted=False).indices
+        scores, choice = self.scores(h)  # (1, E)
+        idx = torch.topk(choice, gate.top_k, sorted=False).indices
         ids = idx.view(-1).tolist()
         ws = scores.view(-1).tolist()
         ws = [ws[e] for e in ids]
@@ -200,10 +284,43 @@ class MoEStep(_Step):
         up, down = params["up_proj"], params["down_proj"]
         out = base
         for e, we in zip(ids, ws, strict=True):
-            y = F.linear(torch.relu(F.linear(h, up[e])).square_(), down[e])
+            y = F.linear(torch.relu_(F.linear(h, up[e])).square_(), down[e])
             alpha = we / total * gate.scaling
-            out = torch.add(out, y, alpha=alpha) if out is base else out.add_(y, alpha=alpha)
+            out = out.add_(y, alpha=alpha) if fresh or out is not base else torch.add(out, y, alpha=alpha)
         return out
+
+    def dense_rows(self, h: Tensor, base: Tensor) -> Tensor:
+        """h: (T, hidden) normed tokens, base: (T, hidden) -> base + routed experts, every expert on every row.
+
+        The routing weights (the router's, renormalised and scaled in place) are scattered into a dense
+        (T, E) matrix that scales each expert's activations; the down projection then sums over experts
+        (:meth:`Experts.every_expert_up <model.moe.Experts.every_expert_up>` /
+        :meth:`~model.moe.Experts.mix_down`, the arithmetic of the dense path, with the activation in place).
+        """
+        gate, params = self.gate, self.experts._parameters
+        scores, choice = self.scores(h)
+        idx = torch.topk(choice, gate.top_k, sorted=False).indices  # (T, k)
+        w = scores.gather(1, idx)
+        if gate.norm_topk_prob:
+            w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
+        if gate.scaling != 1.0:
+            w = w.mul_(gate.scaling)
+        up, down = params["up_proj"], params["down_proj"]
+        e, f, hidden = up.shape
+        t = h.shape[0]
+        if up.stride(0) == f * up.stride(1):  # (E*F, hidden) is a view: one GEMM for every expert
+            act = torch.relu_(torch.mm(h, up.view(e * f, hidden).t())).square_().view(t, e, f)
+        else:  # strided experts (a budget view, or stored inputs-major): batched, (T, E, F) view of (E, T, F)
+            act = torch.relu_(torch.matmul(h, up.transpose(1, 2))).square_().transpose(0, 1)
+        mix = torch.zeros_like(scores).scatter_(1, idx, w)  # (T, E) float32, zero for unselected experts
+        act = act.mul_(cast(mix, act.dtype).unsqueeze(-1))
+        down_t = down.transpose(1, 2)  # (E, F, hidden)
+        if down_t.is_contiguous():  # stored inputs-major: (E*F, hidden) is a view, one GEMM
+            flat, down_flat = act.reshape(t, e * f), down_t.view(e * f, hidden)
+            if base.dtype == act.dtype:
+                return torch.addmm(base, flat, down_flat)
+            return base + flat @ down_flat
+        return base + torch.bmm(act.transpose(0, 1), down_t).sum(0)
 
     def rows(self, h: Tensor, base: Tensor) -> Tensor:
         """h: (T, hidden) normed tokens, base: (T, hidden) -> base + routed experts (router and experts as

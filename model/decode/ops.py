@@ -34,14 +34,14 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim: x (rows, d) -> (rows, d), x's dtype.
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim: x (..., d) -> (..., d), x's dtype.
 
-    Float32 rows: ``mean(x^2) + eps`` is ``n * n / d + eps`` with n the row's Euclidean norm, one
+    Float32: ``mean(x^2) + eps`` is ``n * n / d + eps`` with n the Euclidean norm over the last dim, one
     ``vector_norm`` and one ``addcmul`` onto a cached eps, then rsqrt and two products (fewer dispatches
-    than ``F.rms_norm``, a composite on CPU). Other dtypes take ``F.rms_norm``, which keeps the statistics
-    in float32 as :class:`~model.norms.RMSNorm` does.
+    than ``F.rms_norm``, a composite of about twenty operators on CPU). Other dtypes take ``F.rms_norm``,
+    which keeps the statistics in float32 as :class:`~model.norms.RMSNorm` does.
     """
-    if x.dtype != torch.float32 or x.dim() != 2:
+    if x.dtype != torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (rows, 1)
     r = torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()

@@ -4,9 +4,14 @@
 (:mod:`model.decode.layers`); calling it runs the model's forward for one token per row on a cache,
 ``input_ids`` (batch, 1) -> :class:`~model.hybrid.CausalLMOutput` with logits (batch, 1, vocab), the residual
 stream kept as (batch, hidden). It computes the function :meth:`HybridLM.forward` computes (up to float
-rounding), in the model's dtype and on its device; the model and its layers do not know about it. Only
-the structure is captured: weights are read at every step, so in-place updates and ``.to()`` moves show.
-Replace a plan after replacing a module of its model.
+rounding), in the model's dtype and on its device; the model and its layers do not know about it.
+
+A plan is built for one set of weights: the structure is captured, and a few small tensors are derived
+from the weights once (the Mamba steps' ``A = -exp(A_log)``, float32 ``D`` / ``dt_bias``, time-major conv
+taps). Most weights are read at every step, and a derived tensor whose source is replaced (``.to()``,
+``.data =``, a new parameter) is derived again; but after changing weights in place (an optimiser step,
+``load_state_dict``, ``copy_``) build a new plan (:meth:`DecodePlan.stale` tells whether one is needed).
+Build a new plan after replacing a module of its model, too.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ class DecodePlan:
         self.lm_head = model.lm_head
         self.float_residual = model.config.residual_in_fp32
         self.steps = [STEPS.get(block.kind, ReferenceStep)(block) for block in backbone.layers]
+
+    def stale(self) -> bool:
+        """Whether a weight changed in place since the plan was built, so that tensors it derived from the
+        weights are out of date (build a new plan). It derives them again to compare: a check for tests
+        and after weight updates, not for every step."""
+        return any(step.stale() for step in self.steps)
 
     @staticmethod
     def accepts(
