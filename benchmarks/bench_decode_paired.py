@@ -76,8 +76,6 @@ def _patch(name: str) -> None:
         layers.use_broadcast = lambda q, work: False
     elif name == "rows_major":  # the parent left (out, in) row-major: input prefixes are strided
         budget_view.store_inputs_major = lambda full: None
-    elif name == "no_inplace_ssm":  # every SSM state a new tensor, as for a state the plan did not allocate
-        layers.owned = lambda state: False
     elif name == "no_derived":  # the Mamba step derives A, dt_bias, D and the conv taps at every step
         import torch
 
@@ -91,8 +89,6 @@ def _patch(name: str) -> None:
             return call(self, x, cache, index)
 
         layers.MambaStep.__call__ = per_step
-    elif name == "mamba_split_runs":  # a split in_proj as one GEMM per run and a cat (no span GEMM)
-        layers.row_span = lambda module: None
     elif name == "moe_rows_reference":  # several rows: the router and Experts as they are (no dense pass)
         layers.MoEStep.dense_rows = layers.MoEStep.rows
     else:
@@ -109,9 +105,7 @@ VARIANTS = {
     "ref_mlp": "MLP layers through their reference forward",
     "no_broadcast_attention": "scaled_dot_product_attention at any size and thread count",
     "rows_major": "budget views of a parent left row-major (no store_inputs_major)",
-    "no_inplace_ssm": "Mamba step: a new SSM state every step (no in-place update of the plan's own states)",
     "no_derived": "Mamba step: A, dt_bias, D and the conv taps derived from the weights at every step",
-    "mamba_split_runs": "Mamba step: a split in_proj as one GEMM per run and a cat (no GEMM over the span)",
     "moe_rows_reference": "MoE step, several rows: the router and Experts as they are (no one-pass dense routing)",
 }
 

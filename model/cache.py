@@ -6,10 +6,8 @@ different lengths: a row's keys are right-aligned in the buffer and its leading 
 are never attended (:func:`concat_caches` builds such a batch from caches of different
 lengths; attention has no positional encoding, so where a key sits in the buffer does not
 change what it contributes). Mamba states are per row and need no padding. A decode step writes the new
-key / value into the KV buffer in place, and the decode plan advances the SSM states it allocated itself
-in place (:mod:`model.decode.states`), so a cache is consumed by the step it is passed to:
-:func:`clone_cache` first to keep or branch it. The copies made here (``clone_cache``, ``select``,
-``concat_caches``) are never written by a step.
+key / value into the KV buffer in place, so a cache is consumed by the step it is passed to:
+:func:`clone_cache` first to keep or branch it. Mamba states are never written; a step returns new ones.
 """
 
 from __future__ import annotations

@@ -346,21 +346,17 @@ def ssd_step(
     B: Tensor,
     C: Tensor,
     D: Tensor | None = None,
-    inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Advance the recurrence by one token (decoding); the one step every decode path uses.
 
     Args:
-        state: ``(batch, nheads, headdim, dstate)``; not modified unless ``inplace``.
+        state: ``(batch, nheads, headdim, dstate)``; not modified.
         x: ``(batch, nheads, headdim)``.
         dt: ``(batch, nheads)``, positive.
         A: ``(nheads,)``, negative.
         B: ``(batch, ngroups, dstate)``.
         C: ``(batch, ngroups, dstate)``.
         D: optional ``(nheads,)``.
-        inplace: write the new state into ``state`` and return that tensor (no state-sized allocation);
-            for a state the caller alone holds. It must be contiguous and of the dtype the step computes in
-            (float32, or float64 for a float64 state).
 
     Returns:
         ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype``.
@@ -369,15 +365,7 @@ def ssd_step(
     f = torch.float64 if state.dtype == torch.float64 else torch.float32  # float32 at least
     xf, dtf = _as(x, f), _as(dt, f)
     decay = torch.exp(dtf * _as(A, f)).view(b, nheads, 1, 1)
-    if inplace:
-        if state.dtype != f or not state.is_contiguous():
-            raise ValueError(
-                f"state: an in-place step needs a contiguous {f} state, got {state.dtype} "
-                f"(contiguous={state.is_contiguous()}); pass inplace=False"
-            )
-        new = state.mul_(decay)
-    else:
-        new = (_as(state, f) * decay).contiguous()
+    new = (_as(state, f) * decay).contiguous()
     # Heads of a group share B and C: the group's heads are the rows of one (hpg * headdim, dstate) block,
     # updated by a broadcast multiply-add and read out by a dot product over dstate (no repeat of B / C).
     rows = new.view(b, g, -1, n)

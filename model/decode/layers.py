@@ -7,8 +7,7 @@ for one). They take fewer operators than the layers: no mask or dtype branches, 
 the last GEMM, a single token's expert routing finished on the host, several tokens' routing and experts
 in one dense pass, the Mamba step's weight-derived tensors computed once when the step is built. The conv
 and the SSM advance through the same :func:`~model.mamba.conv_step` and :func:`~model.ssd.ssd_step` as the
-layer; the SSM state is written in place only when the decode package allocated it
-(:mod:`model.decode.states`). A case a step does not cover (an empty cache, an observer on the router,
+layer, which return new states. A case a step does not cover (an empty cache, an observer on the router,
 quantized experts) runs the layer itself (:class:`ReferenceStep`).
 """
 
@@ -19,9 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache import HybridCache, MambaCache
-from model.decode.ops import cast, hooked, linear, rms_norm
-from model.decode.split_linear import RowSplitLinear, row_span
-from model.decode.states import own, owned
+from model.decode.ops import cast, linear, rms_norm
 from model.hybrid import Block
 from model.mamba import conv_step
 from model.moe import Experts, expert_path
@@ -78,8 +75,7 @@ class MambaStep(_Step):
     ``A = -exp(A_log)``, ``D`` and ``dt_bias`` in float32 and the conv taps laid out time-major (the layout
     :func:`~model.mamba.conv_step` computes in, so it copies nothing). A step re-derives them when a source
     tensor is replaced (its data pointer changes: ``.to()``, ``.data =``, a new parameter), not when one is
-    updated in place: build a new plan after changing the weights in place. An SSM state the decode
-    package allocated itself (:mod:`model.decode.states`) is advanced in place.
+    updated in place: build a new plan after changing the weights in place.
     """
 
     def __init__(self, block: Block) -> None:
@@ -95,8 +91,7 @@ class MambaStep(_Step):
         self.derive()
 
     def sources(self) -> tuple[int, ...]:
-        """The data pointers of the tensors :meth:`derive` reads (0 for a missing conv bias; the in_proj
-        weight stands for the runs of a split one)."""
+        """The data pointers of the tensors :meth:`derive` reads (0 for a missing conv bias)."""
         p, conv, bias = self.params, self.conv, self.conv["bias"]
         return (
             p["A_log"].data_ptr(),
@@ -104,7 +99,6 @@ class MambaStep(_Step):
             p["dt_bias"].data_ptr(),
             conv["weight"].data_ptr(),
             0 if bias is None else bias.data_ptr(),
-            self.in_proj.runs[0][0].data_ptr() if type(self.in_proj) is RowSplitLinear else 0,
         )
 
     def derive(self) -> None:
@@ -117,10 +111,6 @@ class MambaStep(_Step):
         self.dt_bias = cast(p["dt_bias"].detach(), F32)
         weight = self.conv["weight"].detach()  # (conv_dim, 1, K)
         self.conv_weight = weight.squeeze(1).t().contiguous().t().unsqueeze(1)
-        # a budget's in_proj keeping some heads of every group: one GEMM over the span of its row runs,
-        # then the kept outputs (two operators, not one GEMM per run and a cat)
-        proj = self.in_proj
-        self.in_span = row_span(proj) if type(proj) is RowSplitLinear and not hooked(proj) else None
 
     def stale(self) -> bool:
         """Whether the derived tensors no longer match the weights (an in-place update since :meth:`derive`;
@@ -144,20 +134,12 @@ class MambaStep(_Step):
             self.derive()
         b = x.shape[0]
         h, p, g, n = self.heads, self.head_dim, self.groups, self.state
-        if self.in_span is None or hooked(self.in_proj):  # 1.
-            proj = linear(self.in_proj, self.normed(x))
-        else:
-            weight, bias, keep = self.in_span
-            proj = F.linear(self.normed(x), weight, bias).index_select(-1, keep)
+        proj = linear(self.in_proj, self.normed(x))  # 1.
         z, xbc, dt = proj.split_with_sizes(self.sizes, -1)
         act, conv_state = conv_step(layer.conv, xbc, self.conv_weight, self.conv["bias"])  # 2.
         xs, B, C = F.silu(act, inplace=True).split_with_sizes(self.xbc_sizes, -1)
         dt = F.softplus(cast(dt, F32) + self.dt_bias).clamp_(self.dt_min, self.dt_max)  # 3.
-        state = layer.ssm
-        inplace = owned(state)
-        y, ssm = ssd_step(state, xs.view(b, h, p), dt, self.A, B.view(b, g, n), C.view(b, g, n), self.D, inplace)
-        if not inplace and ssm.dtype == F32:  # a new float32 state: the next step may write it
-            own(ssm)
+        y, ssm = ssd_step(layer.ssm, xs.view(b, h, p), dt, self.A, B.view(b, g, n), C.view(b, g, n), self.D)
         gated = F.silu(cast(z, F32))  # 4. gated group norm, float32 statistics
         if g == 1:
             gated = rms_norm(gated.mul_(y.view(b, -1)), None, self.norm_eps)

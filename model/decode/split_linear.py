@@ -80,49 +80,6 @@ class ColSplitLinear(nn.Module):
         return out
 
 
-def _span(parts: Sequence[Tensor]) -> tuple[Tensor, list[int]] | None:
-    """One view from the first to the last of ``parts`` (row blocks of one strided tensor, in order, not
-    overlapping) and each part's first row in it; None when they are not such blocks."""
-    first = parts[0]
-    storage, strides, row = first.untyped_storage().data_ptr(), first.stride(), first.stride(0)
-    starts, end = [], 0
-    for t in parts:
-        shift = t.storage_offset() - first.storage_offset()
-        if (
-            t.untyped_storage().data_ptr() != storage
-            or t.stride() != strides
-            or t.shape[1:] != first.shape[1:]
-            or shift % row
-            or shift // row < end
-        ):
-            return None
-        starts.append(shift // row)
-        end = shift // row + t.shape[0]
-    return first.as_strided((end, *first.shape[1:]), strides), starts
-
-
-def row_span(module: RowSplitLinear) -> tuple[Tensor, Tensor | None, Tensor] | None:
-    """``module`` as one GEMM over the span of its runs and a selection of the kept outputs.
-
-    Returns (weight (span, in) and bias (span,) or None, views of the parent from the first kept row to the
-    last, and ``keep`` (out,) the kept rows' indices in the span), so that ``module(x)`` is
-    ``F.linear(x, weight, bias).index_select(-1, keep)``; None when the runs are not rows of one weight.
-    """
-    weights = [w.detach() for w, _ in module.runs]
-    span = _span(weights)
-    if span is None:
-        return None
-    weight, starts = span
-    bias = None
-    if module.biases is not None:
-        bias_span = _span([b.detach()[:, None] for _, b in module.runs])
-        if bias_span is None or bias_span[1] != starts:
-            return None
-        bias = bias_span[0][:, 0]
-    keep = torch.cat([torch.arange(s, s + w.shape[0]) for s, w in zip(starts, weights, strict=True)])
-    return weight, bias, keep.to(weight.device)
-
-
 def row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:
     """``lin`` restricted to ``rows`` (None: all) and the first ``h`` input columns, as views."""
     w = lin.weight.detach()[:, :h]

@@ -11,13 +11,11 @@ import pytest
 import torch
 
 import model.decode.layers as layers_module
-import model.decode.states as states_module
 from model.cache import HybridCache, KVCache, MambaCache, clone_cache, concat_caches, empty_cache
 from model.config import HybridConfig
 from model.decode import DecodePlan, decode_plan
 from model.decode.budget_view import StridedExperts, budget_model
 from model.decode.ops import linear, rms_norm
-from model.decode.states import own, owned
 from model.elastic import Architecture
 from model.hybrid import HybridLM
 from model.masks import ModelMask, prefix_mask
@@ -282,57 +280,23 @@ def _mamba_states(cache: HybridCache) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def test_plan_updates_its_own_states_in_place():
-    """From the second step on, the plan advances the float32 SSM states it allocated itself in place (the
-    same tensors step after step) and still computes the reference's logits and states."""
-    m = _model({})
-    plan = DecodePlan(m)
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
-    out = m(ids[:, :5], use_cache=True)
-    fast, ref = out.cache, clone_cache(out.cache)
-    prefill_states = _mamba_states(fast)
-    plan(ids[:, 5:6], fast)
-    first = _mamba_states(fast)
-    assert all(a is not b for a, b in zip(first, prefill_states, strict=True))  # not the prefill's tensors
-    assert all(owned(s) for s in first) and not any(owned(s) for s in prefill_states)
-    m(ids[:, 5:6], cache=ref)
-    for t in range(6, 12):
-        a, b = plan(ids[:, t : t + 1], fast), m(ids[:, t : t + 1], cache=ref)
-        assert all(s is f for s, f in zip(_mamba_states(fast), first, strict=True))  # written in place
-        assert (a.logits - b.logits).abs().max().item() <= ATOL
-        assert _max_diff_caches(fast, ref) <= ATOL
-
-
-@torch.no_grad()
 def test_copies_of_a_plan_cache_are_never_written():
-    """Caches copied from one the plan writes in place (clone_cache, select, concat_caches) keep their
-    values while the original steps on, and step themselves like the original did."""
+    """Caches copied from one the plan steps (clone_cache, select, concat_caches) keep their values while the
+    original steps on (its KV buffers are written in place), and step themselves like the original did."""
     m = _model({})
     plan = DecodePlan(m)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(6))
     cache = m(ids[:, :5], use_cache=True).cache
-    for t in (5, 6):  # after two steps the Mamba states are the plan's own
+    for t in (5, 6):
         plan(ids[:, t : t + 1], cache)
-    assert all(owned(s) for s in _mamba_states(cache))
     copies = [clone_cache(cache), cache.select(torch.tensor([0, 1])), concat_caches([cache])]
     saved = [[s.clone() for s in _mamba_states(c)] for c in copies]
-    assert not any(owned(s) for c in copies for s in _mamba_states(c))
     branch = clone_cache(cache)
     after = [plan(ids[:, t : t + 1], cache).logits for t in range(7, 10)]
     for c, values in zip(copies, saved, strict=True):
         assert all(torch.equal(s, v) for s, v in zip(_mamba_states(c), values, strict=True))
     again = [plan(ids[:, t : t + 1], branch).logits for t in range(7, 10)]  # the branch decodes the same
     assert all(torch.equal(a, b) for a, b in zip(after, again, strict=True))
-
-
-def test_owned_records_only_live_tensors():
-    a = torch.zeros(3)
-    assert not owned(a)
-    assert own(a) is a and owned(a)
-    assert not owned(a.clone()) and not owned(a.view(3))  # a view is another tensor object: not recorded
-    key = id(a)
-    del a
-    assert key not in states_module._OWNED  # the record goes with its tensor
 
 
 @pytest.mark.parametrize("broadcast", [False, True])
@@ -601,29 +565,3 @@ def test_views_store_the_parent_inputs_major_without_changing_it(monkeypatch, gr
     assert view.lm_head.weight.t().is_contiguous()  # the row prefix of the transposed matrix
     assert view.lm_head.weight.data_ptr() == parent.lm_head.weight.data_ptr()
     assert (parent(ids).logits - before).abs().max().item() <= ATOL
-
-
-@pytest.mark.parametrize("inputs_major", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-@torch.no_grad()
-def test_row_span_equals_the_split_projection(inputs_major, bias):
-    """One GEMM over the span of a split projection's runs, then the kept outputs, against the runs; runs
-    that are not rows of one weight have no span."""
-    from model.decode.budget_view import store_transposed
-    from model.decode.split_linear import RowSplitLinear, row_linear, row_span
-
-    lin = torch.nn.Linear(20, 48, bias=bias)
-    if inputs_major:
-        store_transposed(lin.weight)
-    rows = torch.cat([torch.arange(2, 6), torch.arange(12, 18), torch.arange(40, 44)])
-    split = row_linear(lin, rows, 16)
-    weight, span_bias, keep = row_span(split)
-    assert weight.shape == (42, 16) and weight.data_ptr() == lin.weight[2:, :16].data_ptr()  # rows 2..43, a view
-    assert keep.tolist() == [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 38, 39, 40, 41]
-    assert (span_bias is not None) == bias
-    for n in (1, 3):
-        x = torch.randn(n, 16)
-        got = torch.nn.functional.linear(x, weight, span_bias).index_select(-1, keep)
-        assert (got - split(x)).abs().max().item() <= ATOL
-    other = RowSplitLinear([lin.weight[:4, :16].detach(), torch.randn(4, 16)])
-    assert row_span(other) is None

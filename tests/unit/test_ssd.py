@@ -270,31 +270,3 @@ def test_step_on_a_bf16_state_computes_in_float32():
     assert y.dtype == s.dtype == torch.bfloat16
     assert max_diff(y.float(), y_ref) <= 0.05 * y_ref.abs().max().item()
     assert max_diff(s.float(), s_ref) <= 0.05 * s_ref.abs().max().item()
-
-
-@pytest.mark.parametrize("ngroups", [1, 2])
-def test_in_place_step_matches_the_reference_scan(ngroups: int):
-    """``inplace=True`` writes each new state into the tensor it is given and returns that tensor; the
-    outputs and the final state are the reference scan's."""
-    inp = make_inputs(seqlen=20, ngroups=ngroups, with_d=True, with_init=True, seed=11)
-    y_ref, s_ref = ssd_scan_reference(**inp)
-    state = inp["initial_state"].clone()
-    ys = []
-    for t in range(20):
-        args = (inp["x"][:, t], inp["dt"][:, t], inp["A"], inp["B"][:, t], inp["C"][:, t])
-        y_t, new = ssd_step(state, *args, D=inp["D"], inplace=True)
-        assert new is state
-        ys.append(y_t)
-    assert max_diff(torch.stack(ys, dim=1), y_ref) <= ATOL
-    assert max_diff(state, s_ref) <= ATOL
-
-
-def test_in_place_step_needs_a_contiguous_float32_state():
-    inp = make_inputs(seqlen=1, with_init=True)
-    args = (inp["x"][:, 0], inp["dt"][:, 0], inp["A"], inp["B"][:, 0], inp["C"][:, 0])
-    state = inp["initial_state"]
-    for bad in (state.bfloat16(), state.transpose(-1, -2).contiguous().transpose(-1, -2)):
-        kept = bad.clone()
-        with pytest.raises(ValueError, match=r"\bstate\b.*inplace=False"):
-            ssd_step(bad, *args, inplace=True)
-        assert torch.equal(bad, kept)
