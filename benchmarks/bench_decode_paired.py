@@ -72,8 +72,6 @@ def _patch(name: str) -> None:
         layers.rms_norm = plan.rms_norm = norm
     elif name.startswith("ref_"):  # one layer kind through its reference forward
         layers.STEPS[name[4:]] = layers.ReferenceStep
-    elif name == "no_broadcast_attention":
-        layers.use_broadcast = lambda q, work: False
     elif name == "rows_major":  # the parent left (out, in) row-major: input prefixes are strided
         budget_view.store_inputs_major = lambda full: None
     elif name == "no_derived":  # the Mamba step derives A, dt_bias, D and the conv taps at every step
@@ -103,7 +101,6 @@ VARIANTS = {
     "ref_attention": "attention layers through their reference forward",
     "ref_moe": "MoE layers through their reference forward (no host-side routing of one token)",
     "ref_mlp": "MLP layers through their reference forward",
-    "no_broadcast_attention": "scaled_dot_product_attention at any size and thread count",
     "rows_major": "budget views of a parent left row-major (no store_inputs_major)",
     "no_derived": "Mamba step: A, dt_bias, D and the conv taps derived from the weights at every step",
     "moe_rows_reference": "MoE step, several rows: the router and Experts as they are (no one-pass dense routing)",

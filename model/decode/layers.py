@@ -151,36 +151,6 @@ class MambaStep(_Step):
         return linear(self.out_proj, gated, x)
 
 
-_SMALL_ATTENTION = 1 << 15
-"""Query elements x cached tokens up to which a multi-threaded CPU step uses :func:`broadcast_attention`
-(ATen's grain size: below it elementwise kernels run on one thread, so that path opens no parallel region)."""
-
-
-def use_broadcast(q: Tensor, work: int) -> bool:
-    """Whether one query's attention over ``work`` = query elements x cached tokens takes
-    :func:`broadcast_attention`: a float32 CPU query, small work, and more than one thread."""
-    return work <= _SMALL_ATTENTION and q.dtype == F32 and q.device.type == "cpu" and torch.get_num_threads() > 1
-
-
-def broadcast_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """One query per head: q (b * kv, heads per kv group, d), k / v (b, kv, n, d) -> (b * kv, heads per group, d).
-
-    The query heads of a KV group are consecutive (as ``enable_gqa`` pairs them), so each group is a batch
-    with its heads as rows: no repeat of K/V. Broadcast products and sums instead of
-    ``scaled_dot_product_attention`` / ``bmm`` / ``softmax``: those CPU kernels open an OpenMP parallel
-    region whatever the size, and on a shared CPU one region can wait a scheduler time slice for its
-    second thread.
-    """
-    b, kv, n, d = k.shape
-    k = k.reshape(b * kv, 1, n, d)  # a view when the cache is contiguous
-    v = v.reshape(b * kv, n, d)
-    scores = (q.unsqueeze(2) * k).sum(-1).mul_(d**-0.5)  # (b * kv, heads per group, n)
-    # softmax; expm1 + 1 rather than exp, whose vectorised kernel is threaded from 128 elements up
-    p = torch.expm1(scores - scores.amax(-1, keepdim=True)).add_(1.0)
-    p = p.div_(p.sum(-1, keepdim=True))
-    return (p.unsqueeze(-1) * v.unsqueeze(1)).sum(2)
-
-
 class AttentionStep(_Step):
     """The new key / value written straight into the cache slot; one query needs no transposes:
     (b, heads, 1, head_dim) is the memory of (b, 1, heads * head_dim)."""
@@ -207,8 +177,6 @@ class AttentionStep(_Step):
         if layer.pad is not None:  # rows of different lengths: mask each row's leading padding slots
             mask = layer.attention_mask(n)
             out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, attn_mask=mask, enable_gqa=heads != kv)
-        elif use_broadcast(q, q.numel() * n):
-            out = broadcast_attention(q.view(b * kv, heads // kv, d), k, v)
         else:
             out = F.scaled_dot_product_attention(q.view(b, heads, 1, d), k, v, enable_gqa=heads != kv)
         return linear(self.o_proj, out.reshape(b, heads * d), x)
@@ -320,4 +288,4 @@ STEPS: dict[str, type[ReferenceStep]] = {
 """The step of each layer kind (any other kind runs :class:`ReferenceStep`)."""
 
 
-__all__ = ["STEPS", "ReferenceStep", "broadcast_attention", "mlp", "use_broadcast"]
+__all__ = ["STEPS", "ReferenceStep", "mlp"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import model.decode.layers as layers_module
 from model.cache import HybridCache, KVCache, MambaCache, clone_cache, concat_caches, empty_cache
 from model.config import HybridConfig
 from model.decode import DecodePlan, decode_plan
@@ -299,24 +298,11 @@ def test_copies_of_a_plan_cache_are_never_written():
     assert all(torch.equal(a, b) for a, b in zip(after, again, strict=True))
 
 
-@pytest.mark.parametrize("broadcast", [False, True])
-def test_both_attention_paths(monkeypatch, broadcast):
-    """The broadcast attention (several threads, short cache) and scaled_dot_product_attention compute the
-    same step."""
-    monkeypatch.setattr(layers_module, "use_broadcast", lambda q, work: broadcast)
+def test_attention_with_grouped_kv_heads():
+    """The attention step with several, one and as many KV heads as query heads."""
     for overrides in ({}, dict(num_key_value_heads=4), dict(num_key_value_heads=1)):
         m = _model(overrides)
         _compare(m, torch.randint(0, 64, (2, 9)), prefill=4)
-
-
-def test_broadcast_attention_only_with_threads_small_work_and_float32(monkeypatch):
-    q = torch.zeros(1, 8)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert layers_module.use_broadcast(q, 1000)
-    assert not layers_module.use_broadcast(q, layers_module._SMALL_ATTENTION + 1)
-    assert not layers_module.use_broadcast(q.bfloat16(), 1000)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert not layers_module.use_broadcast(q, 1000)
 
 
 @torch.no_grad()
