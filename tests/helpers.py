@@ -45,6 +45,17 @@ def perturbed_hf_model(hf_config: dict[str, Any], seed: int = 0):
     return hf
 
 
+def save_tiny_parent(root: Path, seed: int = 0) -> Path:
+    """A random ``TINY`` parent (every layer kind) with the demo character tokenizer beside it, saved to
+    ``root/parent``. Returns the checkpoint folder."""
+    from components.data import TextTokenizer, build_demo_tokenizer
+
+    tok = TextTokenizer(build_demo_tokenizer())
+    tok_dir = tok.save(root / "tok")
+    model = HybridLM(HybridConfig(**{**TINY, "vocab_size": tok.vocab_size})).init_weights(seed)
+    return model.save_pretrained(root / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
+
+
 def save_rank_parent(out_dir: Path, vocab_size: int, extra_files: dict[str, Path]) -> Path:
     """A random ``TINY`` parent (6 experts, ``vocab_size`` tokens) saved to ``out_dir`` with ``extra_files``
     (the tokenizer's) beside it; its norms and router bias are perturbed so a permutation slip would show in

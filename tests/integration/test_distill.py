@@ -22,13 +22,12 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 
 import components.distill.stage as stage
-from components.data import TextTokenizer, build_demo_tokenizer, make_data_batch
+from components.data import TextTokenizer, make_data_batch
 from components.distill import DistillConfig, ckpt, run_distill, run_export
 from components.tracking import MlflowTracker
-from model.config import HybridConfig
 from model.elastic.export import read_elastic
 from model.hybrid import HybridLM
-from tests.conftest import TINY
+from tests.helpers import save_tiny_parent
 from tests.integration import distill_faults
 
 pytestmark = pytest.mark.integration
@@ -40,11 +39,7 @@ SPACE = {"hidden": [32, 24, 16], "mamba_heads": [4, 2], "moe_ffn": [16, 8], "exp
 @pytest.fixture(scope="module")
 def parent_dir(tmp_path_factory) -> Path:
     """A randomly initialised tiny parent (every layer kind) with the character tokenizer beside it."""
-    root = tmp_path_factory.mktemp("parent")
-    tok = TextTokenizer(build_demo_tokenizer())
-    tok_dir = tok.save(root / "tok")
-    model = HybridLM(HybridConfig(**{**TINY, "vocab_size": tok.vocab_size})).init_weights(0)
-    return model.save_pretrained(root / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
+    return save_tiny_parent(tmp_path_factory.mktemp("parent"))
 
 
 def base_config(parent: Path, out: Path, **changes) -> dict:

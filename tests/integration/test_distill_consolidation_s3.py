@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.data import TextTokenizer, build_demo_tokenizer
 from components.distill import ckpt
 from components.distill.config import DistillConfig
 from components.distill.worker import build_engine, build_student
 from components.storage import publish
-from model.config import HybridConfig
-from model.hybrid import HybridLM
-from tests.conftest import TINY
+from model.checkpoint import read_config
+from tests.helpers import save_tiny_parent
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +31,8 @@ def _files(root: Path) -> dict[str, bytes]:
 def zero3_checkpoint(single_process_group, tmp_path_factory) -> Path:
     """A Ray Train checkpoint folder written by a one-rank ZeRO-3 engine: state.json and DeepSpeed's shards."""
     root = tmp_path_factory.mktemp("z3ckpt")
-    tok = TextTokenizer(build_demo_tokenizer())
-    tok_dir = tok.save(root / "tok")
-    config = HybridConfig(**{**TINY, "vocab_size": tok.vocab_size})
-    parent = (
-        HybridLM(config)
-        .init_weights(0)
-        .save_pretrained(root / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
-    )
+    parent = save_tiny_parent(root)
+    config = read_config(parent)[0]
     cfg = DistillConfig(
         teacher_uri=str(parent), output_dir=str(root / "out"), space={"hidden": [32, 16]},
         budgets=[{"name": "full", "fraction": 1.0}], zero_stage=3, num_workers=1,

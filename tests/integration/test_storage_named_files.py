@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from components.data import TextTokenizer, build_demo_tokenizer
 from components.distill.config import DistillConfig, preflight, with_router_schedule
 from components.storage import fetch_files, fetch_metadata, materialize, publish
-from model.config import HybridConfig
-from model.hybrid import HybridLM
 from tests.conftest import TINY
+from tests.helpers import save_tiny_parent
 
 pytestmark = pytest.mark.integration
 
@@ -26,11 +24,7 @@ def _files(root: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def parent_dir(tmp_path_factory) -> Path:
     """A tiny random parent (weights, config, manifest) with the character tokenizer beside it."""
-    root = tmp_path_factory.mktemp("named-parent")
-    tok = TextTokenizer(build_demo_tokenizer())
-    tok_dir = tok.save(root / "tok")
-    model = HybridLM(HybridConfig(**{**TINY, "vocab_size": tok.vocab_size})).init_weights(0)
-    return model.save_pretrained(root / "parent", extra_files={p.name: p for p in tok_dir.iterdir()})
+    return save_tiny_parent(tmp_path_factory.mktemp("named-parent"))
 
 
 def test_fetch_files_downloads_only_the_named_files(s3_server, parent_dir, tmp_path):
