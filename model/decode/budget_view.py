@@ -26,11 +26,11 @@ from torch import Tensor, nn
 from model.cache import HybridCache
 from model.config import HybridConfig
 from model.decode.plan import DecodePlan
-from model.decode.split_linear import col_linear, param, row_linear, runs
+from model.decode.split_linear import col_linear, param, row_linear
 from model.elastic.arch import Architecture, LayerArch
 from model.elastic.build_masks import hard_mask
 from model.elastic.params import count_params
-from model.elastic.slicing import extract_config, grouped_heads, head_channels, layer_configs
+from model.elastic.slicing import extract_config, grouped_heads, head_channels, index_runs, layer_configs
 from model.elastic.space import ElasticSpace
 from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
@@ -41,7 +41,7 @@ Mode = Literal["view", "masked"]
 
 def _gather(t: Tensor, index: Tensor, dim: int = 0) -> Tensor:
     """A view when ``index`` is one contiguous run, else a (small) copy."""
-    r = runs(index)
+    r = index_runs(index)
     if len(r) == 1:
         return t.detach().narrow(dim, r[0][0], r[0][1])
     return t.detach().index_select(dim, index.to(t.device))

@@ -15,21 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.elastic.slicing import index_runs
+
 
 def param(t: Tensor) -> nn.Parameter:
     """A frozen parameter around ``t`` (a view stays a view)."""
     return nn.Parameter(t, requires_grad=False)
-
-
-def runs(index: Tensor) -> list[tuple[int, int]]:
-    """Maximal contiguous runs of a 1-D index as (start, length): ``[0,1,2,8,9] -> [(0,3), (8,2)]``."""
-    out: list[tuple[int, int]] = []
-    for i in index.tolist():
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out
 
 
 class RowSplitLinear(nn.Module):
@@ -84,7 +75,7 @@ def row_linear(lin: nn.Linear, rows: Tensor | None, h: int) -> nn.Module:
     """``lin`` restricted to ``rows`` (None: all) and the first ``h`` input columns, as views."""
     w = lin.weight.detach()[:, :h]
     bias = lin.bias.detach() if lin.bias is not None else None
-    blocks = [(0, w.shape[0])] if rows is None else runs(rows)
+    blocks = [(0, w.shape[0])] if rows is None else index_runs(rows)
     ws = [w.narrow(0, start, n) for start, n in blocks]
     bs = [bias.narrow(0, start, n) for start, n in blocks] if bias is not None else None
     if len(ws) > 1:
@@ -100,7 +91,7 @@ def col_linear(lin: nn.Linear, cols: Tensor | None, h: int) -> nn.Module:
     """``lin`` restricted to its first ``h`` output rows and to the input columns ``cols``, as views."""
     w = lin.weight.detach()[:h]
     bias = lin.bias.detach()[:h] if lin.bias is not None else None
-    blocks = [(0, w.shape[1])] if cols is None else runs(cols)
+    blocks = [(0, w.shape[1])] if cols is None else index_runs(cols)
     ws = [w.narrow(1, start, n) for start, n in blocks]
     if len(ws) > 1:
         return ColSplitLinear(ws, bias)

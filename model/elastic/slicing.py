@@ -129,6 +129,17 @@ def _as_index(ix: Tensor) -> Index:
     return n if torch.equal(ix, torch.arange(n)) else ix
 
 
+def index_runs(index: Tensor) -> list[tuple[int, int]]:
+    """Maximal contiguous runs of a 1-D index as (start, length): ``[0,1,2,8,9] -> [(0,3), (8,2)]``."""
+    out: list[tuple[int, int]] = []
+    for i in index.tolist():
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
+
+
 def grouped_heads(n_heads: int, n_groups: int, keep: int) -> Tensor:
     """Indices of the first ``keep // n_groups`` heads of every group (group-major layout): (keep,)."""
     per = n_heads // n_groups

@@ -24,7 +24,7 @@ from torch import Tensor
 from model.checkpoint import CONFIG_NAME, CheckpointError, verify_manifest, write_checkpoint
 from model.config import HybridConfig
 from model.elastic.arch import Architecture, ResolvedArch
-from model.elastic.slicing import extract_config, grouped_heads, head_channels
+from model.elastic.slicing import extract_config, grouped_heads, head_channels, index_runs
 from model.hybrid import HybridLM
 
 from .checkpoint import _read_quant_config, build_quantized_model, read_quantized_tensors
@@ -161,13 +161,7 @@ def _runs(cols: Index, full: int) -> list[tuple[int, int]]:
         return [(0, full)]
     if isinstance(cols, int):
         return [(0, cols)]
-    out: list[tuple[int, int]] = []
-    for i in cols.tolist():
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out
+    return index_runs(cols)
 
 
 def _aligned(cols: Index, full: int) -> bool:
