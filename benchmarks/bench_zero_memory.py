@@ -11,11 +11,8 @@ process-group setup, the plan's prediction for the same config (:func:`component
 page faults: on a loaded machine the wall time mostly measures the neighbours, the CPU time much less so.
 
 The workers are two ``torch.distributed`` processes (gloo) started by this script: that isolates what the
-distillation itself holds, and everything they run is the worker module's code. ``--ray-train`` runs the
-distill stage itself instead (:func:`components.distill.stage.run_distill`: 2 Ray Train workers, local Ray),
-reading each run's ``memory/host_peak_gb``, the largest over ranks of the resident peak above the worker's
-baseline after imports and process-group setup, which every Ray Train worker logs
-(:func:`components.distill.worker.memory_peaks`).
+distillation itself holds, and everything they run is the worker module's code.
+:mod:`benchmarks.bench_zero_memory_ray` measures the same through the distill stage on Ray Train.
 
 Peak memory is the kernel's high-water mark (``VmHWM``), restarted after the baseline and at the end of
 each phase of a step (teacher forward, student forward + loss, backward, optimizer step;
@@ -23,7 +20,6 @@ each phase of a step (teacher forward, student forward + loss, backward, optimiz
 
     .venv/bin/python -m benchmarks.bench_zero_memory            # ~100M parent, 4 steps, worker default vs glibc
     .venv/bin/python -m benchmarks.bench_zero_memory --variants worker glibc pinned-coalesced glibc-per-parameter
-    .venv/bin/python -m benchmarks.bench_zero_memory --ray-train   # the same through Ray Train (memory, step)
     .venv/bin/python -m benchmarks.bench_zero_memory --tiny     # a seconds-long smoke run
 """
 
@@ -332,46 +328,6 @@ def planned(parent: Path, stage: int, variant: str, args: argparse.Namespace) ->
     return plan_phase(read_config(parent)[0], PhaseShape.of(f"zero{stage}", cfg), hw)
 
 
-def run_ray_train(parent: Path, stage: int, variant: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One (ZeRO stage, variant) through the distill stage on 2 Ray Train workers: the largest rank's resident
-    peak above its baseline (bytes) and the step wall times after the first (from the logged token rate)."""
-    from components.distill.config import DistillConfig
-    from components.distill.stage import run_distill
-
-    settings = distill_settings(parent, work / f"ray-{variant}-zero{stage}" / "output", stage, variant, args)
-    cfg = DistillConfig(**settings, log_every=1, checkpoint_every=args.steps, max_failures=0)
-    before = os.getloadavg()[0]
-    out = run_distill(cfg)
-    rows = json.loads((Path(out.checkpoint_uri) / "history.json").read_text())  # one row per step (log_every 1)
-    tokens = cfg.micro_batch_size * cfg.seq_len * cfg.num_workers * cfg.grad_accum_steps
-    elapsed = [tokens * (i + 1) / r["tokens_per_s"] for i, r in enumerate(rows)]
-    step_s = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)]
-    return {
-        "peak_bytes": max(r["memory/host_peak_gb"] for r in rows) * GB,
-        "step_s": statistics.median(step_s or elapsed),
-        "kd": [r["kd"] for r in rows],
-        "load": (before, os.getloadavg()[0]),
-    }
-
-
-def report_ray_train(results: dict[tuple[str, int], dict[str, Any]], args: argparse.Namespace) -> None:
-    """The Ray Train table and ratios."""
-    print("\nRay Train, 2 workers (distill stage):\n")
-    print("| allocator / gathers | ZeRO | peak GB (largest rank) | plan GB | peak / plan | step s | load |")
-    print("|---|---:|---:|---:|---:|---:|---|")
-    for (variant, stage), res in results.items():
-        peak, plan = res["peak_bytes"] / GB, res["plan_bytes"] / GB
-        print(f"| {VARIANTS[variant][0]} | {stage} | {peak:.2f} | {plan:.2f} | {peak / plan:.2f} | "
-              f"{res['step_s']:.2f} | {res['load'][0]:.1f} -> {res['load'][1]:.1f} |")  # fmt: skip
-    for variant in args.variants:
-        if (variant, 0) in results and (variant, 3) in results:
-            z0, z3 = results[(variant, 0)], results[(variant, 3)]
-            diff = max(abs(a - b) for a, b in zip(z0["kd"], z3["kd"], strict=True))
-            print(f"\n{VARIANTS[variant][0]}: ZeRO-3 / ZeRO-0 peak {z3['peak_bytes'] / z0['peak_bytes']:.2f}, "
-                  f"step {z3['step_s'] / z0['step_s']:.2f}; KD per step ZeRO-0 {[round(v, 6) for v in z0['kd']]}, "
-                  f"ZeRO-3 largest difference {diff:.1e}")  # fmt: skip
-
-
 def _median(ranks: list[dict[str, Any]], key: str) -> float:
     """Median of ``key`` over both ranks' steps after the first (the first also allocates Adam's moments)."""
     return statistics.median(s[key] for r in ranks for s in (r["steps"][1:] or r["steps"]))
@@ -428,8 +384,9 @@ def report(results: dict[tuple[str, int], dict[str, Any]], args: argparse.Namesp
         print(f"\nplan, ZeRO-{stage}: " + ", ".join(f"{i['name']} {i['gb']:.3f}" for i in items))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options of a measured run (shared with :mod:`benchmarks.bench_zero_memory_ray`)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2)
@@ -438,21 +395,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["worker", "glibc"],
                     help="host-memory variants, each run at every stage: " + "; ".join(
                         f"{k}: {v[0]}" for k, v in VARIANTS.items()))  # fmt: skip
-    ap.add_argument("--profile", action="store_true", help="print rank 0's top functions in its second step")
     ap.add_argument("--stages", type=int, nargs="+", default=[0, 3])
     ap.add_argument("--tiny", action="store_true", help="toy sizes: a smoke run")
-    ap.add_argument("--ray-train", action="store_true", help="run the distill stage on 2 Ray Train workers instead")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_zero_memory")
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--config", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        run_worker(args)
-        return
-    args.work.mkdir(parents=True, exist_ok=True)
-    parent = make_parent(args.work, args.tiny)
+    return ap
+
+
+def describe(parent: Path, args: argparse.Namespace) -> None:
+    """Print the parent's size, the run's shape and the load average."""
     from model.checkpoint import read_config
     from model.elastic.params import count_params
 
@@ -463,20 +413,23 @@ def main(argv: list[str] | None = None) -> None:
         f"{'on' if args.checkpointing else 'off'}; kd_chunk_tokens {args.kd_chunk}; "
         f"load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} (1, 5, 15 min)"
     )
-    results: dict[tuple[str, int], dict[str, Any]] = {}
-    if args.ray_train:
-        import ray
 
-        ray.init(num_cpus=2, include_dashboard=False)
-        with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-            for variant in args.variants:
-                for stage in args.stages:
-                    res = run_ray_train(parent, stage, variant, args, Path(tmp))
-                    results[(variant, stage)] = {**res, "plan_bytes": planned(parent, stage, variant, args).total_bytes}
-        ray.shutdown()
-        report_ray_train(results, args)
-        print(f"\nload average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--profile", action="store_true", help="print rank 0's top functions in its second step")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        run_worker(args)
         return
+    args.work.mkdir(parents=True, exist_ok=True)
+    parent = make_parent(args.work, args.tiny)
+    describe(parent, args)
+    results: dict[tuple[str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for variant in args.variants:
             for stage in args.stages:
