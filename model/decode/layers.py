@@ -245,9 +245,9 @@ class MoEStep(_Step):
         The routing weights (the router's, renormalised and scaled in place) are scattered into a dense
         (T, E) matrix that scales each expert's activations; the down projection then sums over experts
         (:meth:`Experts.every_expert_up <model.moe.Experts.every_expert_up>` /
-        :meth:`~model.moe.Experts.mix_down`, the arithmetic of the dense path, with the activation in place).
+        :meth:`~model.moe.Experts.mix_down`, the dense path's own arithmetic).
         """
-        gate, params = self.gate, self.experts._parameters
+        gate = self.gate
         scores, choice = self.scores(h)
         idx = torch.topk(choice, gate.top_k, sorted=False).indices  # (T, k)
         w = scores.gather(1, idx)
@@ -255,22 +255,12 @@ class MoEStep(_Step):
             w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
         if gate.scaling != 1.0:
             w = w.mul_(gate.scaling)
-        up, down = params["up_proj"], params["down_proj"]
-        e, f, hidden = up.shape
-        t = h.shape[0]
-        if up.stride(0) == f * up.stride(1):  # (E*F, hidden) is a view: one GEMM for every expert
-            act = torch.relu_(torch.mm(h, up.view(e * f, hidden).t())).square_().view(t, e, f)
-        else:  # strided experts (a budget view, or stored inputs-major): batched, (T, E, F) view of (E, T, F)
-            act = torch.relu_(torch.matmul(h, up.transpose(1, 2))).square_().transpose(0, 1)
-        mix = torch.zeros_like(scores).scatter_(1, idx, w)  # (T, E) float32, zero for unselected experts
-        act = act.mul_(cast(mix, act.dtype).unsqueeze(-1))
-        down_t = down.transpose(1, 2)  # (E, F, hidden)
-        if down_t.is_contiguous():  # stored inputs-major: (E*F, hidden) is a view, one GEMM
-            flat, down_flat = act.reshape(t, e * f), down_t.view(e * f, hidden)
-            if base.dtype == act.dtype:
-                return torch.addmm(base, flat, down_flat)
-            return base + flat @ down_flat
-        return base + torch.bmm(act.transpose(0, 1), down_t).sum(0)
+        experts = self.experts
+        act = experts.every_expert_up(h)  # (T, E, F)
+        mix = cast(torch.zeros_like(scores).scatter_(1, idx, w), act.dtype)  # (T, E), zero for unselected experts
+        if base.dtype == act.dtype:
+            return experts.mix_down(act, mix, base)  # the residual added by the down GEMM
+        return base + experts.mix_down(act, mix)  # a float32 residual stream: promoted, as the layer adds it
 
     def rows(self, h: Tensor, base: Tensor) -> Tensor:
         """h: (T, hidden) normed tokens, base: (T, hidden) -> base + routed experts (router and experts as
