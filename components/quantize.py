@@ -11,8 +11,9 @@ Design choices:
 
 * Calibration data: when the checkpoint carries the project's tokenizer, batches of the built-in
   reasoning problems (what the model is evaluated on, in the distribution it was trained on);
-  otherwise seeded random token ids, which only bound activation ranges loosely. Only FP8 uses
-  them (static activation scales); NVFP4 is weight-only.
+  otherwise seeded random token ids, which only bound activation ranges loosely. FP8 and NVFP4 W4A4
+  use them (static activation scales), and any format the FP8 KV-cache scales of a preset asking for
+  them; NVFP4 (W4A16) alone needs none.
 * Evaluation is pluggable. ``evaluate_fn(checkpoint_dir) -> {budget: accuracy}`` is used when
   given (tests pass a stub; any harness can be plugged in); otherwise the ``evaluate`` section is
   passed to :func:`components.evaluate.run_evaluate` with ``checkpoint_uri`` (and ``output_dir``)
@@ -87,13 +88,18 @@ class QuantizeConfig(BaseModel):
 
     checkpoint_uri: str = Field(description="The nested (unquantized) checkpoint folder or s3:// prefix.")
     output_dir: str = Field("runs/quantize", description="Local folder: one sub-folder per format, tables beside.")
-    formats: list[Literal["fp8", "nvfp4"]] = Field(
-        default_factory=lambda: ["fp8", "nvfp4"], min_length=1, description="Formats to produce."
+    formats: list[Literal["fp8", "nvfp4", "nvfp4_w4a4"]] = Field(
+        default_factory=lambda: ["fp8", "nvfp4", "nvfp4_w4a4"],
+        min_length=1,
+        description="Formats to produce: fp8 (W8A8, quant_algo FP8), nvfp4 (weight-only, W4A16_NVFP4), "
+        "nvfp4_w4a4 (NVFP4 weights and activations, quant_algo NVFP4).",
     )
-    preset: Literal["default", "conservative", "all"] = Field(
+    preset: Literal["default", "conservative", "all", "nemotron-nano"] = Field(
         "default",
         description="default: attention projections stay high precision; conservative: Mamba in/out_proj too; "
-        "all: only lm_head, embeddings, norms and routers (always kept) stay high precision.",
+        "all: only lm_head, embeddings, norms and routers (always kept) stay high precision; nemotron-nano: "
+        "NVIDIA's published Nemotron 3 Nano NVFP4 recipe (attention and the Mamba layers feeding it kept, FP8 "
+        "KV-cache scales).",
     )
     dense_dtype: Literal["bfloat16", "source"] = Field(
         "bfloat16",
@@ -271,7 +277,9 @@ def run_quantize(
     tracker.log_params({"quantize": config.model_dump(mode="json")})
     model_config = HybridConfig.from_json_file(source / "config.json")
     batches = []
-    if "fp8" in config.formats:  # only FP8 has activation scales
+    from model.quant import QUANT_PRESETS
+
+    if set(config.formats) - {"nvfp4"} or QUANT_PRESETS[config.preset].kv_cache:  # static activation / KV scales
         batches = calibration_batches(source, model_config.vocab_size, config.calibration)
 
     device = calibration_device(config.resources, torch.cuda.is_available()) if batches else "cpu"

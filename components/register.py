@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 BASE_FORMAT = "dense"
 """Format name of the nested checkpoint as exported (quantized ones are named by the quantize stage)."""
-QUANTIZED_FORMATS = ("fp8", "nvfp4")
+QUANTIZED_FORMATS = ("fp8", "nvfp4", "nvfp4_w4a4")
 
 
 class PromotionGate(BaseModel):

@@ -17,18 +17,24 @@ import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from model.atomic import publish_folder
 from model.config import HybridConfig, read_hf_json
+from model.layout import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    ExpertLayout,
+    Prefix,
+    WeightsWriter,
+    state_entries,
+)
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 MANIFEST_NAME = "manifest.json"
 
@@ -159,23 +165,6 @@ class ExpertStacker:
             for name, (t, got) in self.pending.items()
         ]
         return self.misfits + absent
-
-
-def from_canonical(
-    tensors: dict[str, Tensor], prefix: Literal["model", "backbone"] = "model", expert_layout: str = "stacked"
-) -> dict[str, Tensor]:
-    """Our state dict -> file keys in the chosen prefix and expert layout."""
-    out: dict[str, Tensor] = {}
-    for key, value in tensors.items():
-        if key.startswith("model.") and prefix != "model":
-            key = prefix + key[len("model") :]
-        if expert_layout == "per_expert" and re.search(r"\.mixer\.experts\.(up_proj|down_proj)$", key):
-            base, proj = key.rsplit(".", 1)
-            for j in range(value.shape[0]):
-                out[f"{base}.{j}.{proj}.weight"] = value[j].contiguous()
-        else:
-            out[key] = value.contiguous()
-    return out
 
 
 # ---------------------------------------------------------------------- reading files
@@ -376,25 +365,38 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None):
 
 def write_checkpoint(
     path: str | Path,
-    tensors: dict[str, Tensor],
+    tensors: Mapping[str, Tensor],
     config: HybridConfig,
     metadata: dict[str, str] | None = None,
     extra_config: dict[str, Any] | None = None,
     extra_files: Mapping[str, Path] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    prefix: Prefix = "backbone",
+    expert_layout: ExpertLayout = "per_expert",
+    extra_json: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Publish ``model.safetensors``, ``config.json``, ``extra_files`` and ``manifest.json`` as one folder, atomically.
+    """Publish the weights, ``config.json``, ``extra_files`` and ``manifest.json`` as one folder, atomically.
 
-    ``tensors`` (file key -> CPU contiguous tensor) are written as given, with ``metadata`` added to the
-    safetensors header beside ``format: pt``; ``extra_config`` keys are added to ``config.json``;
-    ``extra_files`` (name -> source path, e.g. the tokenizer) are copied in before hashing, so the
-    manifest covers every file. An existing ``path`` is replaced only once the new folder is complete
+    ``tensors`` (the model's names: ``model.`` prefix, stacked or per-expert experts; CPU tensors) are
+    written in the published layout (:mod:`model.layout`: ``backbone.`` keys, one tensor per routed
+    expert, sharded with an index above ``max_shard_size``), with ``metadata`` added to every file header
+    beside ``format: pt``; ``extra_config`` keys are added to ``config.json``; ``extra_files`` (name ->
+    source path, e.g. the tokenizer) are copied in before hashing, so the manifest covers every file.
+    ``extra_json`` (file name -> JSON content, e.g. ``hf_quant_config.json``) are written beside.
+    ``prefix`` / ``expert_layout`` other than the defaults write the older layouts the reader also
+    accepts. An existing ``path`` is replaced only once the new folder is complete
     (:func:`~model.atomic.publish_folder`).
     """
     with publish_folder(path) as staging:
-        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
+        with WeightsWriter(staging, state_entries(tensors), max_shard_size, metadata, prefix, expert_layout) as w:
+            for name, tensor in tensors.items():
+                w.write(name, tensor)
+            w.close()
         config.to_json_file(staging / CONFIG_NAME, extra=extra_config)
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, staging / name)
+        for name, content in (extra_json or {}).items():
+            (staging / name).write_text(json.dumps(content, indent=4) + "\n", encoding="utf-8")
         write_manifest(staging)
     return Path(path)
 
@@ -402,16 +404,26 @@ def write_checkpoint(
 def save_model(
     model,
     path: str | Path,
-    prefix: Literal["model", "backbone"] = "model",
-    expert_layout: Literal["stacked", "per_expert"] = "stacked",
+    prefix: Prefix = "backbone",
+    expert_layout: ExpertLayout = "per_expert",
     extra_config: dict[str, Any] | None = None,
     extra_files: dict[str, Path] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
-    """Write ``model.safetensors``, ``config.json`` (plus ``extra_config`` keys) and ``manifest.json``.
+    """Write the model's weights (published layout by default, see :func:`write_checkpoint`), ``config.json``
+    (plus ``extra_config`` keys) and ``manifest.json``.
 
     ``extra_files`` (name -> source path) are copied in too (e.g. the tokenizer), before
     hashing, so the manifest covers them.
     """
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tensors = from_canonical(state, prefix, expert_layout)
-    return write_checkpoint(path, tensors, model.config, extra_config=extra_config, extra_files=extra_files)
+    return write_checkpoint(
+        path,
+        state,
+        model.config,
+        extra_config=extra_config,
+        extra_files=extra_files,
+        max_shard_size=max_shard_size,
+        prefix=prefix,
+        expert_layout=expert_layout,
+    )

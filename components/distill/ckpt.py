@@ -30,7 +30,7 @@ Design choices:
   starts (:func:`check_free_disk`; ``DistillConfig.consolidation_dir`` moves the download folder), plus
   the consolidated output in ``output_dir`` (2 bytes per parameter in bf16, 4 in float32).
 * Consolidation (:func:`consolidate`) is a separate step on the driver: it reads the shards memory-mapped
-  and writes the student and router tensor by tensor (:func:`write_safetensors`), one full tensor in
+  and writes the student and router tensor by tensor (:func:`model.layout.write_weights`), one full tensor in
   memory at a time, in the training dtype (bf16 training writes bf16: phase 2 starts from exactly the
   weights phase 1 trained). ZeRO-3 tensors are rebuilt from every rank's float32 master partition (the
   layout DeepSpeed's ``zero_to_fp32`` reads; the tests compare with it); ZeRO-0/1/2 weights are the
@@ -60,17 +60,6 @@ STATE_FILE = "state.json"
 DS_DIR = "deepspeed"
 TAG = "zero"
 
-_DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 _FP32_TENSORS = ("e_score_correction_bias",)
 
 
@@ -318,44 +307,16 @@ def consolidated_tensors(
     return entries, partitioned()
 
 
-def write_safetensors(
-    path: Path,
-    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    metadata: dict[str, str] | None = None,
-) -> None:
-    """Write a safetensors file from a stream of tensors, one in memory at a time.
-
-    ``entries`` (name, shape, dtype) fixes the header up front; ``tensors`` must yield exactly those, in that
-    order (checked). The file is what ``safetensors.torch.save_file`` writes, byte layout aside: a header
-    followed by each tensor's bytes.
-    """
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    for name, shape, dtype in entries:
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(raw).to_bytes(8, "little"))
-        fh.write(raw)
-        for (name, shape, dtype), (got_name, t) in zip(entries, tensors, strict=True):
-            if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(
-                    f"write_safetensors: expected {name} {shape} {dtype}, got {got_name} {tuple(t.shape)} {t.dtype}"
-                )
-            fh.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-
-
-def consolidate(folder: Path, weights: Path, router: Path, dtype: torch.dtype) -> None:
-    """Write the student (``weights``, nemotron_h keys) and the router (``router``) of a checkpoint folder as
-    safetensors, tensor by tensor (:func:`consolidated_tensors`). The router file is small and built in memory."""
+def consolidate(
+    folder: Path, weights_dir: Path, router: Path, dtype: torch.dtype, max_shard_size: int | str | None = None
+) -> list[Path]:
+    """Write the student into ``weights_dir`` in the published nemotron_h layout (:mod:`model.layout`:
+    ``backbone.`` keys, one tensor per routed expert, sharded above ``max_shard_size``; None: transformers'
+    default) and the router as ``router``, tensor by tensor (:func:`consolidated_tensors`). The router file
+    is small and built in memory. Returns the weight files."""
     from safetensors.torch import save_file
+
+    from model.layout import DEFAULT_MAX_SHARD_SIZE, write_weights
 
     entries, tensors = consolidated_tensors(Path(folder), dtype)
     prefix = "student."
@@ -372,8 +333,11 @@ def consolidate(folder: Path, weights: Path, router: Path, dtype: torch.dtype) -
             else:
                 router_sd[name[len("router.") :]] = t
 
-    write_safetensors(Path(weights), student_entries, student_stream())  # also drains the router's tensors
+    files = write_weights(  # also drains the router's tensors
+        Path(weights_dir), student_entries, student_stream(), max_shard_size or DEFAULT_MAX_SHARD_SIZE
+    )
     save_file(router_sd, str(router), metadata={"format": "pt"})
+    return files
 
 
 # ---------------------------------------------------------------------- storage

@@ -129,17 +129,17 @@ def write_output(
 ) -> tuple[Path, dict[str, Any], ckpt.TrainState]:
     """Turn a Ray checkpoint folder into ``output_dir``; returns (folder, the distill.json summary, train state).
 
-    The student is consolidated from the ranks' shards tensor by tensor (:func:`ckpt.consolidate`) into a
-    nemotron_h ``model.safetensors`` in the training dtype; no model is built.
+    The student is consolidated from the ranks' shards tensor by tensor (:func:`ckpt.consolidate`) into the
+    published nemotron_h layout (:mod:`model.layout`) in the training dtype; no model is built.
     """
     from model.atomic import publish_folder
-    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, write_manifest
+    from model.checkpoint import CONFIG_NAME, write_manifest
     from model.elastic.export import tokenizer_files
 
     state = ckpt.read_state(checkpoint_dir)
     dtype = torch.bfloat16 if config.bf16 else torch.float32
     with publish_folder(config.output_dir) as staging:
-        ckpt.consolidate(checkpoint_dir, staging / WEIGHTS_NAME, staging / ckpt.ROUTER_FILE, dtype)
+        ckpt.consolidate(checkpoint_dir, staging, staging / ckpt.ROUTER_FILE, dtype)
         model_config.to_json_file(staging / CONFIG_NAME)
         summary = _summary(config, model_config, state, staging / ckpt.ROUTER_FILE)
         (staging / DISTILL_FILE).write_text(json.dumps(summary, indent=2) + "\n")
@@ -237,12 +237,12 @@ def run_distill(config: DistillConfig, tracker: Tracker | None = None) -> Distil
 
 
 # ---------------------------------------------------------------------- export
-_DTYPES_BY_NAME = {name: dtype for dtype, name in ckpt._DTYPE_NAMES.items()}
 _MTP_PREFIX = "mtp."  # multi-token-prediction heads: the loader skips them, so the export does too
 
 
 def _file_name(key: str) -> str:
-    """A stored key under the name the nested checkpoint writes (``backbone.`` read as ``model.``)."""
+    """A stored key under the model's name (``backbone.`` read as ``model.``; experts as stored, stacked or per
+    expert: the writer publishes either as one tensor per expert)."""
     return "model." + key[len("backbone.") :] if key.startswith("backbone.") else key
 
 
@@ -255,14 +255,17 @@ def weight_entries(src: Path, model_config: HybridConfig) -> list[tuple[str, tup
     """``(name, shape, dtype)`` of every tensor the nested checkpoint copies from ``src``, in the order
     :func:`~model.checkpoint.iter_tensors` yields them, read from the file headers only.
 
-    Checked against ``model_config`` (names and shapes, on the meta device): a folder that is not a
-    student in the layout the distill stage writes (stacked experts, ``lm_head`` stored) raises
+    Checked against ``model_config`` (names and shapes, on the meta device, per-expert tensors stacked for the
+    check): a folder that is not a student as the distill stage writes it (``lm_head`` stored) raises
     :class:`~model.checkpoint.CheckpointError` naming every missing, unexpected and mis-shaped tensor.
     """
     from safetensors import safe_open
 
-    from model.checkpoint import check_state, weight_files
+    from model.checkpoint import check_state, to_canonical, weight_files
     from model.hybrid import HybridLM
+    from model.layout import DTYPE_NAMES
+
+    dtypes = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
     entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
     for path in weight_files(src):
@@ -272,10 +275,10 @@ def weight_entries(src: Path, model_config: HybridConfig) -> list[tuple[str, tup
                     continue
                 view = fh.get_slice(key)
                 name = _file_name(key)
-                entries.append((name, tuple(view.get_shape()), _stored_dtype(name, _DTYPES_BY_NAME[view.get_dtype()])))
+                entries.append((name, tuple(view.get_shape()), _stored_dtype(name, dtypes[view.get_dtype()])))
     with torch.device("meta"):
         expected = HybridLM(model_config).state_dict()
-    found = {n: torch.empty(s, dtype=d, device="meta") for n, s, d in entries}
+    found = to_canonical((n, torch.empty(s, dtype=d, device="meta")) for n, s, d in entries)
     check_state(expected, found, f"{src} (export streams the student as the distill stage writes it)")
     return entries
 
@@ -309,8 +312,9 @@ def run_export(
     ``allow_off_target``; a broken or altered source fails its manifest check before anything is written.
     """
     from model.atomic import publish_folder
-    from model.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_config, verify_manifest, write_manifest
+    from model.checkpoint import CONFIG_NAME, read_config, verify_manifest, write_manifest
     from model.elastic.export import nested_section, tokenizer_files
+    from model.layout import write_weights
 
     src = Path(distill_output_dir)
     meta_path = src / DISTILL_FILE
@@ -328,7 +332,7 @@ def run_export(
         model_config, router, budgets, space, meta.get("depth_order"), allow_off_target, tolerance, select
     )
     with publish_folder(out_dir) as staging:
-        ckpt.write_safetensors(staging / WEIGHTS_NAME, entries, stream_weights(src, entries))
+        write_weights(staging, entries, stream_weights(src, entries))
         model_config.to_json_file(staging / CONFIG_NAME, extra={"elastic": section})
         for name, path in tokenizer_files(src).items():
             shutil.copyfile(path, staging / name)

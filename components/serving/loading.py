@@ -113,8 +113,9 @@ class LoadedModel:
 
 
 def _format(raw: dict[str, Any]) -> str:
-    algo = (raw.get("quantization_config") or {}).get("quant_algo")
-    return {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo, "dense")
+    from model.quant.modelopt import format_of
+
+    return format_of(raw.get("quantization_config")) or "dense"
 
 
 # ---------------------------------------------------------------------- the check before Ray starts

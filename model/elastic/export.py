@@ -57,6 +57,7 @@ from model.elastic.router import BudgetRouter
 from model.elastic.slicing import extract, extract_config
 from model.elastic.space import ElasticSpace
 from model.hybrid import HybridLM
+from model.layout import DEFAULT_MAX_SHARD_SIZE
 
 FORMAT_VERSION = 1
 TOKENIZER_FILES = (
@@ -421,12 +422,19 @@ def _extract(checkpoint_dir: str | Path, info: ElasticInfo, budget: BudgetInfo, 
     return sub
 
 
-def extract_budget(checkpoint_dir: str | Path, budget_name: str, out_dir: str | Path, dtype=None) -> Path:
+def extract_budget(
+    checkpoint_dir: str | Path,
+    budget_name: str,
+    out_dir: str | Path,
+    dtype=None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
     """Write ``budget_name`` of a nested checkpoint as a standalone ``nemotron_h`` checkpoint in ``out_dir``.
 
     The result has no ``elastic`` section, opens with :meth:`HybridLM.from_pretrained` and with
     transformers' ``NemotronHForCausalLM``, and computes what the nested weights compute under
-    that budget's hard mask. Tokenizer files beside the source are copied.
+    that budget's hard mask. Tokenizer files beside the source are copied. The weights are in the published
+    layout (:mod:`model.layout`), sharded with an index above ``max_shard_size``.
     """
     info = read_elastic(checkpoint_dir)
     budget = info.budget(budget_name)
@@ -435,4 +443,4 @@ def extract_budget(checkpoint_dir: str | Path, budget_name: str, out_dir: str | 
     except ValueError as err:
         raise ValueError(f"budget {budget_name!r} cannot be written as a standalone checkpoint: {err}") from None
     sub = _extract(checkpoint_dir, info, budget, dtype)
-    return sub.save_pretrained(out_dir, extra_files=tokenizer_files(checkpoint_dir))
+    return sub.save_pretrained(out_dir, extra_files=tokenizer_files(checkpoint_dir), max_shard_size=max_shard_size)

@@ -1,11 +1,12 @@
 """Quantized checkpoints: calibrate, quantize a (nested) checkpoint once, write it, load it back.
 
-The folder has ModelOpt-style keys and config: ``model.safetensors`` with ``X.weight``,
-``X.weight_scale``, ``X.weight_scale_2`` (nvfp4) and ``X.input_scale`` (fp8) per quantized
-projection, routed experts written per expert; ``config.json`` with a ``quantization_config``;
-``manifest.json``. The file is the state dict of the in-memory quantized model, so no renaming.
-FP8 input scales are calibrated on the full model and under every budget's hard mask (the max), so
-one per-tensor scale covers every nested sub-model. NVFP4 is weight-only (W4A16).
+The folder is what NVIDIA Model-Optimizer exports: the published layout (:mod:`model.layout`) with
+``X.weight``, ``X.weight_scale``, ``X.weight_scale_2`` (nvfp4) and ``X.input_scale`` (fp8, nvfp4_w4a4)
+per quantized projection, routed experts per expert, FP8 KV-cache scales when the preset asks for them;
+``config.json`` with ModelOpt's ``quantization_config`` and ``hf_quant_config.json`` beside it
+(:mod:`model.quant.modelopt`); ``manifest.json``. Activation scales (fp8, nvfp4_w4a4) and KV scales are
+calibrated on the full model and under every budget's hard mask (the max), so one per-tensor scale covers
+every nested sub-model. ``nvfp4`` is weight-only (W4A16), ``nvfp4_w4a4`` quantizes activations too.
 
 Layout and design notes: docs/quantization.md ("Quantized checkpoints").
 """
@@ -13,6 +14,7 @@ Layout and design notes: docs/quantization.md ("Quantized checkpoints").
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from model.checkpoint import (
     check_state,
     load_model,
     read_tensors,
+    to_canonical,
     verify_manifest,
     write_checkpoint,
 )
@@ -37,8 +40,18 @@ from model.moe import Experts, MoE, TopKRouter
 
 from .experts import DEFAULT_CACHE_DEQUANTIZED, QuantExperts
 from .fp8 import FP8_DTYPE, AmaxObserver
+from .modelopt import (
+    QUANT_ALGOS,
+    calibrate_kv_amax,
+    file_module_name,
+    format_of,
+    hf_quant_config,
+    kv_scales,
+    quantization_config_of,
+    weight_format,
+)
 from .nvfp4 import NVFP4_BLOCK_SIZE
-from .qlinear import QUANT_FORMATS, QUANT_PRESETS, QuantFormat, QuantLinear, QuantPreset, quantize_module
+from .qlinear import QUANT_PRESETS, QuantFormat, QuantLinear, QuantPreset, quantize_module
 
 __all__ = [
     "QUANT_ALGOS",
@@ -55,10 +68,10 @@ __all__ = [
     "synthetic_calibration_batches",
 ]
 
-QUANT_ALGOS: dict[str, str] = {"fp8": "FP8", "nvfp4": "NVFP4"}
-"""Our format name -> ``quant_algo`` in ``quantization_config``."""
-
-_SCALE_KEYS = ("weight_scale", "weight_scale_2", "input_scale")
+HF_QUANT_CONFIG = "hf_quant_config.json"
+_SCALE_KEYS = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
+_KV_KEYS = (".k_proj.k_scale", ".v_proj.v_scale")
+_DENSE_EXPERT = re.compile(r"^.*\.mixer\.experts\.\d+\.(up_proj|down_proj)\.weight$")
 
 
 def _preset(preset: str | QuantPreset) -> QuantPreset:
@@ -70,8 +83,7 @@ def _preset(preset: str | QuantPreset) -> QuantPreset:
 
 
 def _check_format(fmt: str) -> None:
-    if fmt not in QUANT_FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {list(QUANT_FORMATS)}")
+    weight_format(fmt)  # raises naming the formats
 
 
 def _moe_layers(model: HybridLM) -> list[tuple[str, MoE]]:
@@ -175,30 +187,32 @@ def quantize_model(
 
     Args:
         model: an unquantized :class:`HybridLM`.
-        fmt: ``"fp8"`` or ``"nvfp4"``.
+        fmt: ``"fp8"``, ``"nvfp4"`` (weight-only) or ``"nvfp4_w4a4"``.
         preset: which projections stay dense (lm_head, routers and non-linear tensors always do).
-        input_amax: from :func:`calibrate_input_amax`; sets fp8 ``input_scale`` (ignored for nvfp4).
+        input_amax: from :func:`calibrate_input_amax`; sets ``input_scale`` for fp8 and nvfp4_w4a4
+            (ignored for weight-only nvfp4). nvfp4_w4a4 experts get their layer's largest amax, per
+            projection: engines that share one activation scale across a layer's experts take that max.
         cache_dequantized: passed to every quantized module.
 
     Returns:
         Sorted qualified names of the quantized projections (experts as ``...experts.{j}.up_proj``).
     """
-    _check_format(fmt)
-    preset = _preset(preset)
+    wfmt = weight_format(fmt)
+    preset = _preset(preset).for_config(model.config)
     h = model.config.hidden_size
     experts_to_quantize = []
     for name, moe in _moe_layers(model):
         if not (isinstance(moe.experts, Experts) and preset.should_quantize(f"{name}.experts.up_proj")):
             continue
         e, f, _ = moe.experts.up_proj.shape
-        if fmt == "nvfp4" and (f % NVFP4_BLOCK_SIZE or h % NVFP4_BLOCK_SIZE):
+        if wfmt == "nvfp4" and (f % NVFP4_BLOCK_SIZE or h % NVFP4_BLOCK_SIZE):
             raise ValueError(
                 f"{name}.experts: hidden={h}, moe_intermediate_size={f}; NVFP4 needs both (the input "
                 f"dimensions of up_proj and down_proj) to be multiples of {NVFP4_BLOCK_SIZE}"
             )
         experts_to_quantize.append((name, moe, e))
-    names = quantize_module(model, fmt, preset, cache_dequantized)
-    use_amax = input_amax if fmt == "fp8" else None
+    names = quantize_module(model, wfmt, preset, cache_dequantized)
+    use_amax = input_amax if fmt != "nvfp4" else None
     if use_amax is not None:
         for name in names:
             if name in use_amax:
@@ -208,7 +222,9 @@ def quantize_model(
         if use_amax is not None and f"{name}.experts.0.up_proj" in use_amax:
             up = torch.stack([use_amax[f"{name}.experts.{j}.up_proj"] for j in range(e)])
             down = torch.stack([use_amax[f"{name}.experts.{j}.down_proj"] for j in range(e)])
-        moe.experts = QuantExperts.from_experts(moe.experts, fmt, cache_dequantized, up, down)
+            if fmt == "nvfp4_w4a4":
+                up, down = up.max().expand(e), down.max().expand(e)
+        moe.experts = QuantExperts.from_experts(moe.experts, wfmt, cache_dequantized, up, down)
         names += [f"{name}.experts.{j}.{p}" for j in range(e) for p in ("up_proj", "down_proj")]
     return sorted(names)
 
@@ -226,19 +242,11 @@ def quantized_format(model: nn.Module) -> str | None:
     return None
 
 
-def quantization_config(fmt: QuantFormat, ignore: Sequence[str], preset: str) -> dict[str, Any]:
-    """The ``quantization_config`` section of ``config.json`` (layout: docs/quantization.md)."""
+def quantization_config(fmt: str, ignore: Sequence[str], kv_cache: str | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` of ``config.json`` (ModelOpt's, :mod:`model.quant.modelopt`); ``ignore``
+    are the dense modules under the model's names (written with the files' ``backbone.`` prefix)."""
     _check_format(fmt)
-    return {
-        "quant_method": "modelopt",
-        "quant_algo": QUANT_ALGOS[fmt],
-        "group_size": NVFP4_BLOCK_SIZE if fmt == "nvfp4" else None,
-        "activation_scheme": "static" if fmt == "fp8" else None,
-        "ignore": list(ignore),
-        "exclude_modules": list(ignore),
-        "kv_cache_quant_algo": None,
-        "preset": preset,
-    }
+    return quantization_config_of(hf_quant_config(fmt, [file_module_name(n) for n in ignore], kv_cache))
 
 
 # ---------------------------------------------------------------------- writing
@@ -276,18 +284,19 @@ def quantize_checkpoint(
     from model.quant.nesting import budget_architectures, check_nvfp4_alignment  # nesting imports this module
 
     _check_format(fmt)
-    preset_obj = _preset(preset)
     src = Path(src_dir)
     raw = json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")) if (src / CONFIG_NAME).exists() else {}
     if raw.get("quantization_config"):
         raise ValueError(f"{src}: already quantized ({raw['quantization_config'].get('quant_algo')}); start from bf16")
     model = load_model(src)  # verifies the manifest
     config: HybridConfig = model.config
+    preset_obj = _preset(preset).for_config(config)
     archs, depth_order = budget_architectures(src)
-    if fmt == "nvfp4":
+    if weight_format(fmt) == "nvfp4":
         check_nvfp4_alignment(config, archs, depth_order, preset_obj)
     amax = None
-    if fmt == "fp8":
+    kv: dict[str, Tensor] = {}
+    if fmt != "nvfp4" or preset_obj.kv_cache:  # static activation or KV-cache scales to calibrate
         from model.elastic.build_masks import hard_mask
 
         batches = list(calib_batches) if calib_batches is not None else synthetic_calibration_batches(config.vocab_size)
@@ -297,51 +306,81 @@ def quantize_checkpoint(
             masks += [hard_mask(config, a, depth_order, device) for a in archs.values() if a.to_dict()]
         model.to(device)
         try:
-            amax = {k: v.cpu() for k, v in calibrate_input_amax(model, batches, masks, preset_obj).items()}
+            if fmt != "nvfp4":
+                amax = {k: v.cpu() for k, v in calibrate_input_amax(model, batches, masks, preset_obj).items()}
+            if preset_obj.kv_cache:
+                kv = kv_scales(calibrate_kv_amax(model, batches, masks))
         finally:
             model.to("cpu")  # quantized and written on the CPU whatever the calibration device
     quantize_model(model, fmt, preset_obj, amax)
-    qconfig = quantization_config(fmt, kept_dense_names(model), preset_obj.name)
+    hf = hf_quant_config(fmt, [file_module_name(n) for n in kept_dense_names(model)], preset_obj.kv_cache)
     from model.elastic.export import tokenizer_files
 
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if dense_dtype is not None:
         state = {k: _to_compute_dtype(k, v, dense_dtype) for k, v in state.items()}
+    state.update(kv)
     return write_checkpoint(
         out_dir,
         state,
         config,
         metadata={"quant_algo": QUANT_ALGOS[fmt]},
-        extra_config={"quantization_config": qconfig},
+        extra_config={"quantization_config": quantization_config_of(hf)},
         extra_files=tokenizer_files(src),
+        extra_json={HF_QUANT_CONFIG: hf},
     )
 
 
 # ---------------------------------------------------------------------- loading
-def _read_quant_config(folder: Path) -> tuple[dict[str, Any], QuantFormat]:
+def _read_quant_config(folder: Path) -> tuple[dict[str, Any], str]:
     if not (folder / CONFIG_NAME).exists():
         raise CheckpointError(f"{folder}: no {CONFIG_NAME}")
     raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
     qc = raw.get("quantization_config")
-    algos = {v: k for k, v in QUANT_ALGOS.items()}
-    if not isinstance(qc, dict) or qc.get("quant_algo") not in algos:
+    fmt = format_of(qc)
+    if fmt is None:
         raise CheckpointError(
-            f"{folder}: config.json has no quantization_config with quant_algo in {sorted(algos)}; "
+            f"{folder}: config.json has no quantization_config with quant_algo in {sorted(QUANT_ALGOS.values())}; "
             "not a quantized checkpoint (load it with HybridLM.from_pretrained)"
         )
-    return qc, algos[qc["quant_algo"]]  # type: ignore[return-value]
+    return qc, fmt
 
 
 def read_quantized_tensors(folder: str | Path) -> dict[str, Tensor]:
-    """All tensors of a quantized checkpoint with ``backbone.`` keys renamed to ``model.``."""
-    tensors = read_tensors(Path(folder))
-    return {("model." + k[len("backbone.") :] if k.startswith("backbone.") else k): v for k, v in tensors.items()}
+    """All tensors of a quantized checkpoint under the model's names (``backbone.`` read as ``model.``); routed
+    experts kept dense and stored per expert are stacked as the dense model holds them."""
+    tensors = {(file_module_name_to_model(k)): v for k, v in read_tensors(Path(folder)).items()}
+    dense_experts = [k for k in tensors if _DENSE_EXPERT.match(k) and f"{k[:-7]}.weight_scale" not in tensors]
+    if dense_experts:
+        tensors.update(to_canonical({k: tensors.pop(k) for k in dense_experts}))
+    return tensors
 
 
-def _expected_dtypes(fmt: QuantFormat) -> dict[str, torch.dtype]:
+def file_module_name_to_model(key: str) -> str:
+    """A file key under the model's name (``backbone.`` -> ``model.``)."""
+    return "model." + key[len("backbone.") :] if key.startswith("backbone.") else key
+
+
+def _expected_dtypes(fmt: str) -> dict[str, torch.dtype]:
     if fmt == "fp8":
         return {"weight": FP8_DTYPE, "weight_scale": torch.float32, "input_scale": torch.float32}
-    return {"weight": torch.uint8, "weight_scale": FP8_DTYPE, "weight_scale_2": torch.float32}
+    scales = {"weight_scale_2": torch.float32, "input_scale": torch.float32}
+    return {"weight": torch.uint8, "weight_scale": FP8_DTYPE, **scales}
+
+
+def _pop_kv_scales(model: HybridLM, tensors: dict[str, Tensor], where: str) -> dict[str, Tensor]:
+    """Take the FP8 KV-cache scales (``mixer.k_proj.k_scale`` / ``v_proj.v_scale``) out of ``tensors``; each
+    must belong to an attention layer and be an fp32 scalar. Our engine keeps the cache in the compute dtype;
+    the scales are for the engines that store it in FP8."""
+    from .modelopt import kv_scale_names
+
+    found = {k: tensors.pop(k) for k in [k for k in tensors if k.endswith(_KV_KEYS)]}
+    allowed = set(kv_scale_names(model))
+    bad = [f"{k} {tuple(v.shape)} {v.dtype}" for k, v in found.items() if k not in allowed or v.numel() != 1]
+    bad += [f"{k} {v.dtype}" for k, v in found.items() if v.dtype != torch.float32 and k in allowed]
+    if bad:
+        raise CheckpointError(f"{where}: KV-cache scales that fit no attention layer as fp32 scalars: {bad[:20]}")
+    return found
 
 
 def load_quantized_model(
@@ -367,21 +406,30 @@ def load_quantized_model(
 def build_quantized_model(
     config: HybridConfig,
     tensors: dict[str, Tensor],
-    fmt: QuantFormat,
+    fmt: str,
     dtype: torch.dtype | None = None,
     cache_dequantized: bool = DEFAULT_CACHE_DEQUANTIZED,
     where: str = "quantized checkpoint",
 ) -> HybridLM:
     """The quantized model holding ``tensors`` (file keys); which projections are quantized is read
     from the keys that carry a ``weight_scale``. See :func:`load_quantized_model`."""
-    _check_format(fmt)
+    wfmt = weight_format(fmt)
+    tensors = dict(tensors)
     quantized = {k[: -len(".weight_scale")] for k in tensors if k.endswith(".weight_scale")}
     with torch.device("meta"):
         model = HybridLM(config)
+    kv = _pop_kv_scales(model, tensors, where)
+    if fmt == "nvfp4_w4a4":  # W4A4: an FP4 GEMM needs the activation scale of every quantized linear
+        missing = sorted(f"{n}.input_scale" for n in quantized if f"{n}.input_scale" not in tensors)
+        if missing:
+            raise CheckpointError(
+                f"{where}: quant_algo NVFP4 (W4A4) needs an input_scale for every quantized linear; missing "
+                f"{missing[:20]}. A weight-only NVFP4 checkpoint is quant_algo W4A16_NVFP4"
+            )
     for name, moe in _moe_layers(model):
         if f"{name}.experts.0.up_proj" in quantized:
             e, f, h = moe.experts.up_proj.shape
-            moe.experts = QuantExperts(e, h, f, fmt, cache_dequantized, device="meta")
+            moe.experts = QuantExperts(e, h, f, wfmt, cache_dequantized, device="meta")
     modules = dict(model.named_modules())
     for name in sorted(quantized):
         if isinstance(modules.get(name), QuantLinear):  # an expert projection, built above
@@ -390,13 +438,13 @@ def build_quantized_model(
         if not isinstance(lin, nn.Linear):
             raise CheckpointError(f"{where}: {name}.weight_scale belongs to no linear layer of the config")
         parent, _, child = name.rpartition(".")
-        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, fmt, cache_dequantized, device="meta")
+        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, wfmt, cache_dequantized, device="meta")
         setattr(model.get_submodule(parent) if parent else model, child, q)
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear) and f"{name}.input_scale" in tensors:
             m.input_scale = torch.empty((), dtype=torch.float32, device="meta")  # filled by load_state_dict
     check_state(model.state_dict(), tensors, where)
-    want = _expected_dtypes(fmt)
+    want = _expected_dtypes(wfmt)
     wrong = []
     for k in sorted(tensors):
         base, _, leaf = k.rpartition(".")
@@ -407,6 +455,7 @@ def build_quantized_model(
     if dtype is not None:
         tensors = {k: _to_compute_dtype(k, v, dtype) for k, v in tensors.items()}
     model.load_state_dict(tensors, strict=True, assign=True)
+    model.kv_cache_scales = kv  # not part of the state dict: what was read, for inspection
     return model.eval()
 
 

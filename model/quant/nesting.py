@@ -49,6 +49,8 @@ Index = int | Tensor | None
 """Per dimension: None keeps everything, an int keeps that prefix, a LongTensor gathers those entries."""
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_FILE_LAYER = re.compile(r"^(model|backbone)\.layers\.(\d+)\.(.*)$")
+_KV_KEYS = (".k_proj.k_scale", ".v_proj.v_scale")
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,12 @@ def slice_quantized_state(
             out[f"{rule.dst}.up_proj"] = _take(tensors[f"{rule.src}.up_proj"], [e, f, h])  # (E, F, H)
             out[f"{rule.dst}.down_proj"] = _take(tensors[f"{rule.src}.down_proj"], [e, h, f])  # (E, H, F)
             used.update({f"{rule.src}.up_proj", f"{rule.src}.down_proj"})
+    new_index = {la.index: j for j, la in enumerate(res.kept)}
+    for k in tensors:  # FP8 KV-cache scales (per attention layer): kept layers renumbered, copied whole
+        m = _LAYER.match(k)
+        if k.endswith(_KV_KEYS) and m and int(m.group(1)) in new_index:
+            out[f"model.layers.{new_index[int(m.group(1))]}.{m.group(2)}"] = tensors[k].clone()
+            used.add(k)
     dropped = {la.index for la in res.layers if not la.keep}
     left = [k for k in tensors if k not in used and not ((m := _LAYER.match(k)) and int(m.group(1)) in dropped)]
     if left:  # a tensor no rule covers: refuse rather than write an incomplete model
@@ -306,7 +314,9 @@ def logical_param_count(tensors: Mapping[str, Tensor]) -> int:
     n = 0
     for k, v in tensors.items():
         base, _, leaf = k.rpartition(".")
-        if leaf in ("weight_scale", "weight_scale_2", "input_scale") or k.endswith("e_score_correction_bias"):
+        if leaf in ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale") or k.endswith(
+            "e_score_correction_bias"
+        ):
             continue
         packed = leaf == "weight" and v.dtype == torch.uint8 and f"{base}.weight_scale_2" in tensors
         n += v.numel() * (2 if packed else 1)
@@ -316,7 +326,7 @@ def logical_param_count(tensors: Mapping[str, Tensor]) -> int:
 # ---------------------------------------------------------------------- public API
 def _budget_state(
     quant_dir: Path, budget_name: str
-) -> tuple[HybridConfig, dict[str, Tensor], dict[str, Any], QuantFormat, ResolvedArch]:
+) -> tuple[HybridConfig, dict[str, Tensor], dict[str, Any], str, ResolvedArch]:
     """Shared by extraction and loading: (standalone config, sliced tensors, quantization_config, format, arch)."""
     from model.elastic.export import read_elastic
 
@@ -344,11 +354,11 @@ def _renumber_ignore(ignore: Sequence[str], res: ResolvedArch) -> list[str]:
     new_index = {la.index: j for j, la in enumerate(res.kept)}
     out = []
     for name in ignore:
-        m = _LAYER.match(name)
+        m = _FILE_LAYER.match(name)
         if m is None:
             out.append(name)
-        elif int(m.group(1)) in new_index:
-            out.append(f"model.layers.{new_index[int(m.group(1))]}.{m.group(2)}")
+        elif int(m.group(2)) in new_index:
+            out.append(f"{m.group(1)}.layers.{new_index[int(m.group(2))]}.{m.group(3)}")
     return out
 
 
@@ -362,18 +372,23 @@ def extract_quantized_budget(quant_dir: str | Path, budget_name: str, out_dir: s
     """
     from model.elastic.export import tokenizer_files
 
+    from .checkpoint import HF_QUANT_CONFIG
+    from .modelopt import hf_quant_config, quantization_config_of
+
     src = Path(quant_dir)
-    new_config, state, qc, _, res = _budget_state(src, budget_name)
-    for key in ("ignore", "exclude_modules"):
-        if key in qc:
-            qc[key] = _renumber_ignore(qc[key], res)
+    new_config, state, qc, fmt, res = _budget_state(src, budget_name)
+    kv = "FP8" if isinstance(qc.get("kv_cache_scheme"), dict) else qc.get("kv_cache_scheme")
+    hf = hf_quant_config(fmt, _renumber_ignore(qc.get("ignore") or [], res), kv)
+    if (src / HF_QUANT_CONFIG).is_file():  # keep the producer the source records
+        hf["producer"] = json.loads((src / HF_QUANT_CONFIG).read_text(encoding="utf-8")).get("producer", hf["producer"])
     return write_checkpoint(
         out_dir,
         state,
         new_config,
-        metadata={"quant_algo": str(qc["quant_algo"])},
-        extra_config={"quantization_config": qc},
+        metadata={"quant_algo": hf["quantization"]["quant_algo"]},
+        extra_config={"quantization_config": quantization_config_of(hf)},
         extra_files=tokenizer_files(src),
+        extra_json={HF_QUANT_CONFIG: hf},
     )
 
 

@@ -26,8 +26,10 @@ __all__ = [
     "decode_e2m1",
     "dequantize_nvfp4",
     "encode_e2m1",
+    "fake_quantize_nvfp4_activation",
     "nvfp4_error_bound",
     "nvfp4_global_scale",
+    "nvfp4_input_scale",
     "pack_e2m1",
     "quantize_nvfp4",
     "slice_nvfp4",
@@ -169,6 +171,29 @@ def nvfp4_global_scale(w: Tensor) -> Tensor:
     w32 = w.detach().to(torch.float32)
     amax = w32.abs().amax() if w32.numel() > 0 else torch.zeros((), device=w32.device)
     return torch.where(amax > 0, amax / (E2M1_MAX * FP8_E4M3_MAX), torch.ones_like(amax))
+
+
+def nvfp4_input_scale(amax: Tensor | float) -> Tensor:
+    """The static global activation scale of NVFP4 W4A4 from an observed activation amax.
+
+    fp32 scalar ``amax / (6 * 448)`` (1.0 for a zero amax), ModelOpt's ``input_scale``: the engines divide
+    activations by it before computing the per-block fp8 scales at run time.
+    """
+    a = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+    if not bool(torch.isfinite(a)) or float(a) < 0:
+        raise ValueError(f"nvfp4_input_scale: amax must be finite and >= 0, got {float(a)}")
+    return torch.where(a > 0, a / (E2M1_MAX * FP8_E4M3_MAX), torch.ones_like(a))
+
+
+def fake_quantize_nvfp4_activation(x: Tensor, input_scale: Tensor | float) -> Tensor:
+    """NVFP4 activation round trip of W4A4: what an FP4 GEMM sees of ``x``.
+
+    ``x`` (..., in), ``in`` a multiple of 16: per block of 16 along the last dimension a dynamic fp8 scale
+    ``fp8(amax_block / (6 * input_scale))`` (saturating at 448), elements rounded to E2M1; returns the
+    dequantized values in ``x.dtype``, same shape.
+    """
+    packed, block_scales, g = quantize_nvfp4(x.detach().to(torch.float32), input_scale)
+    return dequantize_nvfp4(packed, block_scales, g, torch.float32).to(x.dtype)
 
 
 def _as_global_scale(global_scale: Tensor | float, device: torch.device) -> Tensor:

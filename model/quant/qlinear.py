@@ -11,6 +11,7 @@ State-dict layout table: docs/quantization.md ("Quantized linear layers").
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,7 +21,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .fp8 import FP8_DTYPE, calibrate_input_scale, dequantize_fp8, fake_quantize_fp8_activation, quantize_fp8
-from .nvfp4 import NVFP4_BLOCK_SIZE, dequantize_nvfp4, quantize_nvfp4, slice_nvfp4
+from .nvfp4 import (
+    NVFP4_BLOCK_SIZE,
+    dequantize_nvfp4,
+    fake_quantize_nvfp4_activation,
+    nvfp4_input_scale,
+    quantize_nvfp4,
+    slice_nvfp4,
+)
 
 __all__ = ["QUANT_FORMATS", "QUANT_PRESETS", "QuantFormat", "QuantLinear", "QuantPreset", "quantize_module"]
 
@@ -142,23 +150,21 @@ class QuantLinear(nn.Module):
         self._dequant_cache = None
 
     def set_input_scale(self, scale: Tensor | float | None) -> None:
-        """Set (or clear with ``None``) the static FP8 activation scale, e.g. ``calibrate_input_scale(amax)``.
-
-        Only meaningful for fp8: NVFP4 activation quantization (W4A4) is not modelled here.
-        """
+        """Set (or clear with ``None``) the static activation scale: fp8 ``amax / 448`` (W8A8), nvfp4 the
+        global activation scale ``amax / (6 * 448)`` (W4A4: activations rounded to NVFP4 with dynamic
+        per-block fp8 scales under it, as FP4 tensor cores take them)."""
         if scale is None:
             self.input_scale = None
             return
-        if self.fmt != "fp8":
-            raise ValueError("QuantLinear: input_scale (FP8 activation quantization) applies to fmt='fp8' only")
         s = torch.as_tensor(scale, dtype=torch.float32).reshape(())
         if not bool(torch.isfinite(s)) or float(s) <= 0:
             raise ValueError(f"QuantLinear: input_scale must be finite and > 0, got {float(s)}")
         self.input_scale = s.to(self.weight.device)
 
     def calibrate_input_scale(self, amax: Tensor | float) -> None:
-        """Set the fp8 activation scale from an observed activation amax (``amax / 448``)."""
-        self.set_input_scale(calibrate_input_scale(amax))
+        """Set the activation scale from an observed activation amax (fp8 ``amax / 448``, nvfp4
+        ``amax / (6 * 448)``)."""
+        self.set_input_scale(calibrate_input_scale(amax) if self.fmt == "fp8" else nvfp4_input_scale(amax))
 
     # ------------------------------------------------------------------------------------------------
     # Dequantization
@@ -230,8 +236,10 @@ class QuantLinear(nn.Module):
                 w = w[:out_f, :in_f]
         else:
             w = self.dequantized_weight(x.dtype, out_f, in_f)
-        if self.input_scale is not None:
+        if self.input_scale is not None and self.fmt == "fp8":
             x = fake_quantize_fp8_activation(x, self.input_scale)
+        elif self.input_scale is not None:
+            x = fake_quantize_nvfp4_activation(x, self.input_scale)
         b = None if self.bias is None else self.bias[:out_f].to(x.dtype)
         return F.linear(x, w, b)
 
@@ -263,9 +271,6 @@ class QuantLinear(nn.Module):
         # input_scale is optional: materialize the buffer when the checkpoint carries one so that a
         # freshly constructed module can load a calibrated checkpoint.
         if prefix + "input_scale" in state_dict and self.input_scale is None:
-            if self.fmt != "fp8":
-                error_msgs.append(f"{prefix}input_scale: activation scales are supported for fmt='fp8' only")
-                return
             self.input_scale = torch.ones((), dtype=torch.float32, device=self.weight.device)
         self._dequant_cache = None
         super()._load_from_state_dict(
@@ -291,15 +296,40 @@ class QuantPreset:
 
     A layer is skipped when any component of its dotted name (e.g. ``layers.3.attn.q_proj``) is in
     ``skip``; matching whole components keeps ``gate`` (an MoE router) from also catching an MLP's
-    ``gate_proj``.
+    ``gate_proj``. ``skip_modules`` skips exact modules (and everything under them); presets whose
+    choice depends on the layer pattern fill it in :meth:`for_config`. ``kv_cache`` asks for FP8
+    KV-cache scales beside the weights.
     """
 
     name: str
     skip: frozenset[str]
     description: str = ""
+    skip_modules: frozenset[str] = frozenset()
+    keep_mamba_before_attention: bool = False
+    kv_cache: str | None = None
 
     def should_quantize(self, qualified_name: str) -> bool:
+        if any(qualified_name == m or qualified_name.startswith(m + ".") for m in self.skip_modules):
+            return False
         return not any(part in self.skip for part in qualified_name.split("."))
+
+    def for_config(self, config: Any) -> QuantPreset:
+        """This preset with the pattern-dependent modules of ``config`` (a ``HybridConfig``) resolved.
+
+        ``keep_mamba_before_attention``: the in/out projections of the last Mamba layer before every
+        attention layer stay dense (the Mamba layers that feed attention, NVIDIA's Nemotron 3 Nano recipe).
+        """
+        if not self.keep_mamba_before_attention:
+            return self
+        kinds = list(config.layer_kinds)
+        kept = set(self.skip_modules)
+        for i, kind in enumerate(kinds):
+            if kind != "attention":
+                continue
+            before = [j for j in range(i) if kinds[j] == "mamba"]
+            if before:
+                kept |= {f"model.layers.{before[-1]}.mixer.in_proj", f"model.layers.{before[-1]}.mixer.out_proj"}
+        return dataclasses.replace(self, skip_modules=frozenset(kept), keep_mamba_before_attention=False)
 
 
 # The LM head and MoE routers are small and precision-critical (logits, top-k expert choice) in every
@@ -315,6 +345,16 @@ QUANT_PRESETS: dict[str, QuantPreset] = {
         "conservative", _ALWAYS_SKIP | _ATTENTION | _MAMBA, "quantize MLP/expert projections only"
     ),
     "all": QuantPreset("all", _ALWAYS_SKIP, "quantize everything except the LM head and routers"),
+    # NVIDIA's published Nemotron 3 Nano NVFP4 checkpoint (its hf_quant_config.json and technical report):
+    # routed and shared experts and the other Mamba projections quantized; attention projections, the Mamba
+    # layers feeding attention, lm_head and routers in bf16; FP8 KV cache.
+    "nemotron-nano": QuantPreset(
+        "nemotron-nano",
+        _ALWAYS_SKIP | _ATTENTION,
+        "NVIDIA's Nemotron 3 Nano NVFP4 recipe: attention and the Mamba layers feeding it kept, FP8 KV cache",
+        keep_mamba_before_attention=True,
+        kv_cache="FP8",
+    ),
 }
 
 

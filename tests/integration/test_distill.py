@@ -25,6 +25,7 @@ import components.distill.stage as stage
 from components.data import TextTokenizer, make_data_batch
 from components.distill import DistillConfig, ckpt, run_distill, run_export
 from components.tracking import MlflowTracker
+from model.checkpoint import read_tensors, to_canonical
 from model.elastic.export import read_elastic
 from model.hybrid import HybridLM
 from tests.helpers import save_tiny_parent
@@ -123,7 +124,7 @@ def test_phase1_records_kd_and_writes_checkpoint(phase1, parent_dir):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     reference = get_fp32_state_dict_from_zero_checkpoint(str(ray_ckpt / "deepspeed"), tag="zero")
-    written = load_file(str(folder / "model.safetensors"))
+    written = to_canonical(read_tensors(folder))  # published layout read back under the module's names
     router = load_file(str(folder / "router.safetensors"))
     assert set(reference) == {f"student.{k}" for k in written} | {f"router.{k}" for k in router}
     for name, tensor in written.items():
@@ -287,8 +288,9 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
     with pytest.raises(ValueError, match="num_workers=1 and zero_stage=3"):
         ckpt.load_checkpoint(second, folder, 2, 3)
     assert ckpt.load_checkpoint(second, folder, 1, 3).next_step == 2
-    ckpt.consolidate(folder, tmp_path / "w.safetensors", tmp_path / "r.safetensors", torch.bfloat16)
-    written = load_file(str(tmp_path / "w.safetensors"))
+    (tmp_path / "w").mkdir()
+    ckpt.consolidate(folder, tmp_path / "w", tmp_path / "r.safetensors", torch.bfloat16)
+    written = to_canonical(read_tensors(tmp_path / "w"))
     reference = get_fp32_state_dict_from_zero_checkpoint(str(folder / "deepspeed"), tag="zero")
     with zero3.gathered(list(first.module.parameters())):
         live = {k: v.detach().clone() for k, v in first.module.student.state_dict().items()}

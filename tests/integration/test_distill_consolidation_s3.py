@@ -72,9 +72,12 @@ def test_consolidation_from_s3_fetches_its_files_only_and_checks_the_disk(s3_ser
     with ckpt.fetch(remote, needs, scratch, "distill_phase1.consolidation_dir") as folder:
         assert folder.parent == scratch
         assert _files(folder) == {name: local[name] for name in wanted}
-        ckpt.consolidate(folder, tmp_path / "s3-model.safetensors", tmp_path / "s3-router.safetensors", torch.float32)
+        (tmp_path / "s3").mkdir()
+        ckpt.consolidate(folder, tmp_path / "s3", tmp_path / "s3" / "router.safetensors", torch.float32)
     assert list(scratch.iterdir()) == []
-    ckpt.consolidate(zero3_checkpoint, tmp_path / "model.safetensors", tmp_path / "router.safetensors", torch.float32)
+    (tmp_path / "local").mkdir()
+    ckpt.consolidate(zero3_checkpoint, tmp_path / "local", tmp_path / "local" / "router.safetensors", torch.float32)
     for name in ("model", "router"):
-        assert (tmp_path / f"s3-{name}.safetensors").read_bytes() == (tmp_path / f"{name}.safetensors").read_bytes()
-    assert os.path.getsize(tmp_path / "model.safetensors") > 0
+        s3, local = tmp_path / "s3" / f"{name}.safetensors", tmp_path / "local" / f"{name}.safetensors"
+        assert s3.read_bytes() == local.read_bytes()
+    assert os.path.getsize(tmp_path / "local" / "model.safetensors") > 0

@@ -80,35 +80,41 @@ def test_quantize_stage(nested, tmp_path):
     out = run_quantize(config, tracker, evaluate_fn=evaluate)
 
     # one quantized nested checkpoint per format, every budget extractable from it
-    assert set(out.checkpoints) == {"fp8", "nvfp4"}
+    assert set(out.checkpoints) == {"fp8", "nvfp4", "nvfp4_w4a4"}
+    algos = {"fp8": "FP8", "nvfp4": "W4A16_NVFP4", "nvfp4_w4a4": "NVFP4"}  # ModelOpt's names
     for fmt, path in out.checkpoints.items():
         qc = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
-        assert qc["quant_algo"] == fmt.upper()
+        assert qc["quant_algo"] == algos[fmt]
+        hf = json.loads((Path(path) / "hf_quant_config.json").read_text())
+        assert hf["quantization"]["quant_algo"] == algos[fmt]
         assert (Path(path) / "tokenizer.json").is_file()
         with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as fh:  # dense parts in bf16
             assert fh.get_tensor("lm_head.weight").dtype == torch.bfloat16
         assert extract_quantized_budget(path, "small", tmp_path / f"{fmt}-small").is_dir()
 
     # recovery: the baseline was measured with the same evaluator (no baseline_accuracy given)
-    assert calls == ["fp8", "nvfp4", "nested"]
+    assert calls == ["fp8", "nvfp4", "nvfp4_w4a4", "nested"]
     rows = {(r["format"], r["budget"]): r for r in out.recovery}
-    assert set(rows) == {(f, b) for f in ("fp8", "nvfp4") for b in ("full", "mid", "small")}
+    assert set(rows) == {(f, b) for f in ("fp8", "nvfp4", "nvfp4_w4a4") for b in ("full", "mid", "small")}
     for r in rows.values():
         assert r["baseline"] == 1.0 and 0.0 <= r["quantized"] <= 1.0 and r["recovery"] == r["quantized"]
     assert rows["fp8", "full"]["recovery"] > 0.5
     assert out.recovery_by_format["nvfp4"]["mid"] == rows["nvfp4", "mid"]["recovery"]
+    assert out.recovery_by_format["nvfp4_w4a4"]["full"] == rows["nvfp4_w4a4", "full"]["recovery"]
 
     # sizes: all budgets in one file; nvfp4 < fp8 < bf16 < fp32 source
     sizes = {r["name"]: r for r in out.sizes}
     assert sizes["nvfp4"]["bytes"] < sizes["fp8"]["bytes"] < sizes["bf16"]["bytes"] < sizes["source"]["bytes"]
-    assert sizes["source"]["bits_per_param"] == pytest.approx(32, rel=0.02)
+    assert sizes["nvfp4"]["bytes"] < sizes["nvfp4_w4a4"]["bytes"] < sizes["fp8"]["bytes"]  # + activation scales
+    # file bytes include the headers: one entry per routed expert weighs ~3% on this tiny model
+    assert sizes["source"]["bits_per_param"] == pytest.approx(32, rel=0.05)
     assert sizes["bf16"]["ratio_to_bf16"] == 1.0
 
     # files and tracking
     saved = json.loads(Path(out.recovery_json).read_text())
     assert saved["rows"] == out.recovery and set(saved["baseline"]) == {"full", "mid", "small"}
     with open(out.sizes_csv, newline="") as fh:
-        assert [r["name"] for r in csv.DictReader(fh)] == ["source", "bf16", "fp8", "nvfp4"]
+        assert [r["name"] for r in csv.DictReader(fh)] == ["source", "bf16", "fp8", "nvfp4", "nvfp4_w4a4"]
     assert tracker.params["quantize"]["preset"] == "default"
     assert tracker.metrics["recovery/nvfp4/small"] == rows["nvfp4", "small"]["recovery"]
     assert tracker.metrics["bytes/fp8"] == sizes["fp8"]["bytes"]

@@ -25,7 +25,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("extract-cli")
     nested = build_nested(root / "nested")
     out = {"dense": nested}
-    for fmt in ("fp8", "nvfp4"):
+    for fmt in ("fp8", "nvfp4", "nvfp4_w4a4"):
         out[fmt] = quantize_checkpoint(nested, root / fmt, fmt, "default", calib_batches())
     return out
 
@@ -35,7 +35,9 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
         return {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
 
 
-@pytest.mark.parametrize("fmt, algo", [("dense", None), ("fp8", "FP8"), ("nvfp4", "NVFP4")])
+@pytest.mark.parametrize(
+    "fmt, algo", [("dense", None), ("fp8", "FP8"), ("nvfp4", "W4A16_NVFP4"), ("nvfp4_w4a4", "NVFP4")]
+)
 def test_extract_routes_by_format_and_writes_what_the_library_writes(checkpoints, fmt, algo, tmp_path, capsys):
     src = checkpoints[fmt]
     assert main(["extract", str(src), "--budget", "small", "--out", str(tmp_path / "cli")]) == 0

@@ -48,7 +48,7 @@ def test_iter_canonical_ties_lm_head_and_names_what_is_missing(tmp_path: Path):
     folder = HybridLM(config).init_weights(1).save_pretrained(tmp_path / "m")
     (folder / "manifest.json").unlink()
     tensors = load_file(str(folder / "model.safetensors"))
-    embedding = tensors["model.embeddings.weight"].clone()
+    embedding = tensors["backbone.embeddings.weight"].clone()
     del tensors["lm_head.weight"]
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensors \\['lm_head.weight'\\]"):
@@ -95,6 +95,8 @@ def test_load_into_partitions_refuses_unknown_names_and_shapes():
 
 # ---------------------------------------------------------------------- writing and reading files
 def test_streamed_safetensors_read_back_like_save_file(tmp_path: Path):
+    from model.layout import write_weights
+
     tensors = {
         "b": torch.randn(3, 4).to(torch.bfloat16),
         "a": torch.randn(5),
@@ -102,13 +104,17 @@ def test_streamed_safetensors_read_back_like_save_file(tmp_path: Path):
         "flag": torch.tensor([True, False]),
     }
     entries = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
-    ckpt.write_safetensors(tmp_path / "s.safetensors", entries, iter(tensors.items()))
-    back = load_file(str(tmp_path / "s.safetensors"))
-    assert back.keys() == tensors.keys()
-    for name, t in tensors.items():
-        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
-    with pytest.raises(ValueError, match="expected b"):
-        ckpt.write_safetensors(tmp_path / "bad.safetensors", entries, iter(reversed(tensors.items())))
+    for order, folder in ((tensors.items(), "s"), (reversed(tensors.items()), "r")):  # any order: same file
+        (tmp_path / folder).mkdir()
+        write_weights(tmp_path / folder, entries, iter(list(order)))
+        back = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert back.keys() == tensors.keys()
+        for name, t in tensors.items():
+            assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert (tmp_path / "s" / "model.safetensors").read_bytes() == (tmp_path / "r" / "model.safetensors").read_bytes()
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ValueError, match=r"b \(4, 3\) does not match its entry"):
+        write_weights(tmp_path / "bad", entries, iter([("b", torch.zeros(4, 3, dtype=torch.bfloat16))]))
 
 
 class _RunsCode:

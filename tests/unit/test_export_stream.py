@@ -30,7 +30,7 @@ def build_distill_output(
     dtype: torch.dtype = torch.float32,
     extra_files: dict[str, Path] | None = None,
     seed: int = 0,
-    expert_layout: str = "stacked",
+    expert_layout: str = "per_expert",
 ) -> Path:
     """A distillation output folder as the distill stage writes it, without training: a random student
     (``model.safetensors`` in ``dtype``, the router bias in float32), a random router and ``distill.json``."""
@@ -112,10 +112,25 @@ def test_feasible_selection_streams_the_same_section(tmp_path):
     assert json.loads((streamed / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
 
 
-def test_stream_refuses_what_it_cannot_copy(tmp_path):
-    src = build_distill_output(tmp_path / "per-expert", expert_layout="per_expert")
-    with pytest.raises(CheckpointError, match=r"(?s)missing tensors .*mixer\.experts\.up_proj.*unexpected tensors"):
-        run_export(src, tmp_path / "out", allow_off_target=True)
+def test_stream_takes_either_expert_layout_and_refuses_what_it_cannot_copy(tmp_path):
+    per_expert = run_export(build_distill_output(tmp_path / "per-expert"), tmp_path / "a", allow_off_target=True)
+    stacked_src = build_distill_output(tmp_path / "stacked", expert_layout="stacked")
+    stacked = run_export(stacked_src, tmp_path / "b", allow_off_target=True)
+    a, b = _tensors(per_expert), _tensors(stacked)
+    assert a.keys() == b.keys() and any(".mixer.experts.0.up_proj.weight" in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    broken = build_distill_output(tmp_path / "broken")
+    (broken / "manifest.json").unlink()
+    tensors = _tensors(broken)
+    del tensors["backbone.norm_f.weight"]
+    tensors["backbone.layers.3.mixer.bogus"] = torch.zeros(2)
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"(?s)missing tensors .*norm_f.*unexpected tensors.*bogus"):
+        run_export(broken, tmp_path / "out", allow_off_target=True)
+    del tensors["backbone.layers.3.mixer.experts.1.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"experts\.\*\.up_proj\.weight: expert indices \[0, 2, 3\]"):
+        run_export(broken, tmp_path / "out", allow_off_target=True)
     assert not (tmp_path / "out").exists()
     with pytest.raises(FileNotFoundError, match="no distill.json"):
         run_export(tmp_path / "nowhere", tmp_path / "out")

@@ -117,9 +117,9 @@ def test_missing_extra_misshaped_tensors_are_named(tmp_path, tiny_config):
     path = _model(tiny_config).save_pretrained(tmp_path / "ck")
     (path / "manifest.json").unlink()
     tensors = read_tensors(path)
-    del tensors["model.norm_f.weight"]
-    tensors["model.layers.0.mixer.bogus"] = torch.zeros(2)
-    tensors["model.layers.1.mixer.q_proj.weight"] = torch.zeros(5, 5)
+    del tensors["backbone.norm_f.weight"]
+    tensors["backbone.layers.0.mixer.bogus"] = torch.zeros(2)
+    tensors["backbone.layers.1.mixer.q_proj.weight"] = torch.zeros(5, 5)
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
         HybridLM.from_pretrained(path)
@@ -136,7 +136,7 @@ def test_save_is_atomic(tmp_path, tiny_config, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("model.checkpoint.save_file", boom)
+    monkeypatch.setattr("model.checkpoint.WeightsWriter.write", boom)
     with pytest.raises(RuntimeError):
         _model(tiny_config, seed=1).save_pretrained(tmp_path / "ck")
     assert (good / "model.safetensors").read_bytes() == before

@@ -134,7 +134,7 @@ def file_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def test_keys_dtypes_shapes(quantized, fmt):
     t = file_tensors(quantized[fmt])
     fp8 = torch.float8_e4m3fn
-    in_proj = "model.layers.0.mixer.in_proj"  # (2*64 + 2*2*8 + 4, 32) = (164, 32)
+    in_proj = "backbone.layers.0.mixer.in_proj"  # (2*64 + 2*2*8 + 4, 32) = (164, 32)
     if fmt == "fp8":
         assert t[f"{in_proj}.weight"].dtype == fp8 and t[f"{in_proj}.weight"].shape == (164, 32)
         assert t[f"{in_proj}.weight_scale"].dtype == torch.float32 and t[f"{in_proj}.weight_scale"].shape == ()
@@ -146,7 +146,7 @@ def test_keys_dtypes_shapes(quantized, fmt):
         assert t[f"{in_proj}.weight_scale_2"].dtype == torch.float32 and t[f"{in_proj}.weight_scale_2"].shape == ()
         assert f"{in_proj}.input_scale" not in t
     # routed experts: per expert, each with its own scales; no stacked tensor left
-    experts = "model.layers.3.mixer.experts"
+    experts = "backbone.layers.3.mixer.experts"
     assert f"{experts}.up_proj" not in t and f"{experts}.down_proj" not in t
     for j in range(4):
         up, down = t[f"{experts}.{j}.up_proj.weight"], t[f"{experts}.{j}.down_proj.weight"]
@@ -161,10 +161,11 @@ def test_keys_dtypes_shapes(quantized, fmt):
     scales = {t[f"{experts}.{j}.up_proj.{global_scale}"].item() for j in range(4)}
     assert len(scales) == 4  # one scale per expert
     # always high precision
-    for key in ("lm_head.weight", "model.embeddings.weight", "model.norm_f.weight", "model.layers.3.mixer.gate.weight",
-                "model.layers.0.norm.weight", "model.layers.0.mixer.conv1d.weight"):  # fmt: skip
+    for key in ("lm_head.weight", "backbone.embeddings.weight", "backbone.norm_f.weight",
+                "backbone.layers.3.mixer.gate.weight", "backbone.layers.0.norm.weight",
+                "backbone.layers.0.mixer.conv1d.weight"):  # fmt: skip
         assert t[key].dtype == torch.float32, key
-    assert "lm_head.weight_scale" not in t and "model.layers.3.mixer.gate.weight_scale" not in t
+    assert "lm_head.weight_scale" not in t and "backbone.layers.3.mixer.gate.weight_scale" not in t
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -172,10 +173,11 @@ def test_config_and_manifest(nested, quantized, fmt):
     cfg = json.loads((quantized[fmt] / "config.json").read_text())
     src = json.loads((nested / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == {"fp8": "FP8", "nvfp4": "NVFP4"}[fmt]
-    assert qc["group_size"] == (16 if fmt == "nvfp4" else None) and qc["kv_cache_quant_algo"] is None
-    assert "lm_head" in qc["ignore"] and "model.layers.1.mixer.q_proj" in qc["ignore"]
-    assert "model.layers.3.mixer.gate" in qc["ignore"] and "model.layers.0.mixer.in_proj" not in qc["ignore"]
+    assert qc["quant_method"] == "modelopt" and qc["quant_algo"] == {"fp8": "FP8", "nvfp4": "W4A16_NVFP4"}[fmt]
+    group = qc["config_groups"]["group_0"]["weights"]
+    assert group.get("group_size") == (16 if fmt == "nvfp4" else None) and "kv_cache_scheme" not in qc
+    assert "lm_head" in qc["ignore"] and "backbone.layers.1.mixer.q_proj" in qc["ignore"]
+    assert "backbone.layers.3.mixer.gate" in qc["ignore"] and "backbone.layers.0.mixer.in_proj" not in qc["ignore"]
     assert cfg["elastic"] == src["elastic"]
     manifest = json.loads((quantized[fmt] / "manifest.json").read_text())
     assert {"model.safetensors", "config.json"} <= set(manifest["files"])
@@ -277,12 +279,18 @@ def _dense_and_quantized(folder: Path) -> tuple[set[str], set[str]]:
 def test_presets(nested, tmp_path, preset):
     folder = quantize_checkpoint(nested, tmp_path / preset, "nvfp4", preset)
     dense, quant = _dense_and_quantized(folder)
-    always = {"lm_head", "model.embeddings", "model.norm_f", "model.layers.3.mixer.gate", "model.layers.0.norm"}
+    always = {
+        "lm_head",
+        "backbone.embeddings",
+        "backbone.norm_f",
+        "backbone.layers.3.mixer.gate",
+        "backbone.layers.0.norm",
+    }
     assert always <= dense
-    attention = {f"model.layers.1.mixer.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-    mamba = {"model.layers.0.mixer.in_proj", "model.layers.0.mixer.out_proj"}
-    ffn = {"model.layers.4.mixer.up_proj", "model.layers.3.mixer.shared_experts.down_proj",
-           "model.layers.3.mixer.experts.0.up_proj", "model.layers.5.mixer.experts.3.down_proj"}  # fmt: skip
+    attention = {f"backbone.layers.1.mixer.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    mamba = {"backbone.layers.0.mixer.in_proj", "backbone.layers.0.mixer.out_proj"}
+    ffn = {"backbone.layers.4.mixer.up_proj", "backbone.layers.3.mixer.shared_experts.down_proj",
+           "backbone.layers.3.mixer.experts.0.up_proj", "backbone.layers.5.mixer.experts.3.down_proj"}  # fmt: skip
     assert ffn <= quant  # MLPs and experts are quantized by every preset
     assert (attention <= quant) == (preset == "all") and (attention <= dense) == (preset != "all")
     assert (mamba <= dense) == (preset == "conservative") and (mamba <= quant) == (preset != "conservative")
@@ -306,13 +314,13 @@ def test_missing_and_mistyped_tensors_rejected(quantized, tmp_path):
     bad = tmp_path / "missing"
     shutil.copytree(quantized["nvfp4"], bad)
     t = file_tensors(bad)
-    del t["model.layers.3.mixer.experts.2.down_proj.weight_scale_2"]
+    del t["backbone.layers.3.mixer.experts.2.down_proj.weight_scale_2"]
     save_file(t, str(bad / WEIGHTS_NAME))
     write_manifest(bad)
     with pytest.raises(CheckpointError, match=r"missing tensors .*experts\.2\.down_proj\.weight_scale_2"):
         load_quantized_model(bad)
     t = file_tensors(quantized["nvfp4"])
-    t["model.layers.0.mixer.out_proj.weight_scale"] = t["model.layers.0.mixer.out_proj.weight_scale"].float()
+    t["backbone.layers.0.mixer.out_proj.weight_scale"] = t["backbone.layers.0.mixer.out_proj.weight_scale"].float()
     save_file(t, str(bad / WEIGHTS_NAME))
     write_manifest(bad)
     with pytest.raises(CheckpointError, match="wrong dtype"):

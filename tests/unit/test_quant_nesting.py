@@ -96,19 +96,19 @@ def test_per_tensor_scales_untouched_and_blocks_sliced(quantized, extracted, fmt
     small = file_tensors(extracted[fmt, "all", "small"])
     per_tensor = ("weight_scale", "input_scale") if fmt == "fp8" else ("weight_scale_2",)
     # small drops layer 3: parent layer 4 is its layer 3, parent layer 5 its layer 4
-    pairs = {"model.layers.0.mixer.out_proj": "model.layers.0.mixer.out_proj",
-             "model.layers.1.mixer.o_proj": "model.layers.1.mixer.o_proj",
-             "model.layers.5.mixer.experts.1.down_proj": "model.layers.4.mixer.experts.1.down_proj",
-             "model.layers.4.mixer.down_proj": "model.layers.3.mixer.down_proj"}  # fmt: skip
+    pairs = {"backbone.layers.0.mixer.out_proj": "backbone.layers.0.mixer.out_proj",
+             "backbone.layers.1.mixer.o_proj": "backbone.layers.1.mixer.o_proj",
+             "backbone.layers.5.mixer.experts.1.down_proj": "backbone.layers.4.mixer.experts.1.down_proj",
+             "backbone.layers.4.mixer.down_proj": "backbone.layers.3.mixer.down_proj"}  # fmt: skip
     for src, dst in pairs.items():
         for leaf in per_tensor:
             assert same_bits(small[f"{dst}.{leaf}"], full[f"{src}.{leaf}"]), (dst, leaf)
-    assert "model.layers.4.mixer.experts.2.up_proj.weight" not in small  # experts >= 2 dropped
-    assert "model.layers.5.mixer.experts.0.up_proj.weight" not in small  # only 5 layers remain
+    assert "backbone.layers.4.mixer.experts.2.up_proj.weight" not in small  # experts >= 2 dropped
+    assert "backbone.layers.5.mixer.experts.0.up_proj.weight" not in small  # only 5 layers remain
     if fmt == "nvfp4":
         # Mamba out_proj: 2 groups x 32 channels -> the first 16 of each group (whole blocks), 16 of 32 rows
-        w, s = small["model.layers.0.mixer.out_proj.weight"], small["model.layers.0.mixer.out_proj.weight_scale"]
-        fw, fs = full["model.layers.0.mixer.out_proj.weight"], full["model.layers.0.mixer.out_proj.weight_scale"]
+        w, s = small["backbone.layers.0.mixer.out_proj.weight"], small["backbone.layers.0.mixer.out_proj.weight_scale"]
+        fw, fs = full["backbone.layers.0.mixer.out_proj.weight"], full["backbone.layers.0.mixer.out_proj.weight_scale"]
         assert w.shape == (16, 16) and s.shape == (16, 2)
         assert torch.equal(w, torch.cat([fw[:16, 0:8], fw[:16, 16:24]], dim=1))
         assert same_bits(s, torch.cat([fs[:16, 0:1], fs[:16, 2:3]], dim=1))
@@ -119,10 +119,11 @@ def test_extracted_config(quantized, extracted):
     assert "elastic" not in cfg
     assert cfg["hidden_size"] == 16 and cfg["hybrid_override_pattern"] == "M*M-E" and cfg["n_routed_experts"] == 2
     qc = cfg["quantization_config"]
-    assert qc["quant_algo"] == "NVFP4" and qc["group_size"] == 16
+    assert qc["quant_algo"] == "W4A16_NVFP4" and qc["config_groups"]["group_0"]["weights"]["group_size"] == 16
     # layer 3 (dropped) vanishes from the ignore list; layer 5 is renumbered to 4
-    assert "model.layers.4.mixer.gate" in qc["ignore"] and "model.layers.5.mixer.gate" not in qc["ignore"]
-    assert qc["ignore"] == qc["exclude_modules"]
+    assert "backbone.layers.4.mixer.gate" in qc["ignore"] and "backbone.layers.5.mixer.gate" not in qc["ignore"]
+    hf = json.loads((extracted["nvfp4", "default", "small"] / "hf_quant_config.json").read_text())
+    assert qc["ignore"] == hf["quantization"]["exclude_modules"]
     config = HybridConfig.from_json_file(extracted["nvfp4", "default", "small"] / "config.json")
     assert config.num_hidden_layers == 5
 
