@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -274,13 +275,24 @@ def rank_and_permute(config: RankConfig, acc_state: dict[str, Any], device: str)
 # ---------------------------------------------------------------------- the stage
 def run_rank(config: RankConfig, tracker: Tracker) -> RankOutputs:
     """Rank and permute the parent; see the module docstring for the steps and the outputs."""
-    from components.storage import fetch_metadata
-    from model.checkpoint import read_config
 
     t0 = time.perf_counter()
     tracker.log_params(config.model_dump(mode="json"))
     out = Path(config.output_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _rank_into(config, tracker, out, t0)
+    except BaseException:
+        if created:  # a failed rank (disk full, a dead task) leaves no half-written folder to mistake for one
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _rank_into(config: RankConfig, tracker: Tracker, out: Path, t0: float) -> RankOutputs:
+    from components.storage import fetch_metadata
+    from model.checkpoint import read_config
+
     parent_dir = fetch_metadata(config.parent_uri)  # config.json and tokenizer: the driver reads no weight
     model_config, _ = read_config(parent_dir)
     cal = config.calibration

@@ -6,6 +6,12 @@ named files of a URI (a checkpoint's ``config.json``, tokenizer files and manife
 without its weights), ``publish`` copies a local folder to a URI. S3 settings come from the standard AWS variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and
 ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for any S3-compatible server.
+
+A server that stops answering is retried by botocore's ``standard`` retry mode with backoff, a bounded
+number of times (``AWS_MAX_ATTEMPTS``, default :data:`S3_MAX_ATTEMPTS`; connect and read time-outs of
+:data:`S3_TIMEOUT_S`); after that the transfer raises :class:`StorageUnavailable`, one line naming the
+URI, the endpoint and what to do. A folder published to S3 is unpublished first (its ``manifest.json``
+deleted) and its manifest uploaded last, so an upload cut off half-way is never read as complete.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -33,12 +40,54 @@ def split_s3(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.lstrip("/")
 
 
-def s3_client():
-    """A boto3 S3 client honouring ``AWS_ENDPOINT_URL(_S3)`` for S3-compatible servers."""
-    import boto3
+S3_MAX_ATTEMPTS = 4
+"""Tries of one S3 request (botocore's ``standard`` mode backs off between them) unless ``AWS_MAX_ATTEMPTS`` says."""
+S3_TIMEOUT_S = 20
+"""Seconds to connect to the S3 endpoint, and to wait for a byte of an answer, before a try counts as failed."""
 
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return boto3.client("s3", endpoint_url=endpoint or None)
+
+class StorageUnavailable(ConnectionError):
+    """The storage endpoint stopped answering; the message names the URI, the endpoint and what to do."""
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def s3_client():
+    """A boto3 S3 client honouring ``AWS_ENDPOINT_URL(_S3)`` for S3-compatible servers, with bounded retries."""
+    import boto3
+    from botocore.config import Config
+
+    retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
+    if not os.environ.get("AWS_MAX_ATTEMPTS"):  # an explicit Config would override the variable
+        retries["max_attempts"] = S3_MAX_ATTEMPTS
+    config = Config(retries=retries, connect_timeout=S3_TIMEOUT_S, read_timeout=S3_TIMEOUT_S)
+    return boto3.client("s3", endpoint_url=_endpoint(), config=config)
+
+
+@contextmanager
+def unreachable_as_one_line(uri: str, action: str) -> Iterator[None]:
+    """Turn botocore's connection failures (after its retries) into :class:`StorageUnavailable` for ``uri``."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+    from botocore.exceptions import ReadTimeoutError
+
+    try:
+        yield
+    except (BotoConnectionError, ReadTimeoutError, S3UploadFailedError) as err:
+        if isinstance(err, S3UploadFailedError) and not _is_connection_failure(err):
+            raise
+        attempts = os.environ.get("AWS_MAX_ATTEMPTS") or S3_MAX_ATTEMPTS
+        raise StorageUnavailable(
+            f"{action} {uri}: the S3 endpoint {_endpoint() or '(AWS default)'} did not answer after {attempts} tries "
+            f"({type(err).__name__}); check that it is up and AWS_ENDPOINT_URL, then re-run (nothing was published)"
+        ) from err
+
+
+def _is_connection_failure(err: BaseException) -> bool:
+    text = str(err)
+    return any(k in text for k in ("Could not connect", "Connection was closed", "Read timeout", "Connect timeout"))
 
 
 def publish(local_dir: str | Path, uri: str) -> str:
@@ -57,12 +106,19 @@ def publish(local_dir: str | Path, uri: str) -> str:
         return str(dst)
     bucket, prefix = split_s3(uri)
     client = s3_client()
-    # upload everything but the manifest first, so a reader that sees the manifest sees all files
+    # unpublish (delete the old manifest), upload everything but the manifest, then the manifest: a reader
+    # that sees a manifest sees all of its files, and an upload cut off half-way leaves no manifest
     files = sorted(p for p in src.rglob("*") if p.is_file())
     files.sort(key=lambda p: p.name == "manifest.json")
-    for path in files:
-        key = f"{prefix.rstrip('/')}/{path.relative_to(src).as_posix()}" if prefix else path.relative_to(src).as_posix()
-        client.upload_file(str(path), bucket, key)
+
+    def key(relative: str) -> str:
+        return f"{prefix.rstrip('/')}/{relative}" if prefix else relative
+
+    with unreachable_as_one_line(uri, "publishing"):
+        if any(p.name == "manifest.json" for p in files):
+            client.delete_object(Bucket=bucket, Key=key("manifest.json"))
+        for path in files:
+            client.upload_file(str(path), bucket, key(path.relative_to(src).as_posix()))
     return uri
 
 
@@ -91,15 +147,16 @@ def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
     paginator = client.get_paginator("list_objects_v2")
     n = 0
     base = prefix.rstrip("/") + "/" if prefix else ""
-    for page in paginator.paginate(Bucket=bucket, Prefix=base):
-        for obj in page.get("Contents", []):
-            rel = obj["Key"][len(base) :]
-            if not rel:
-                continue
-            dest = tmp / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            client.download_file(bucket, obj["Key"], str(dest))
-            n += 1
+    with unreachable_as_one_line(str(uri), "downloading"):
+        for page in paginator.paginate(Bucket=bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                rel = obj["Key"][len(base) :]
+                if not rel:
+                    continue
+                dest = tmp / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                client.download_file(bucket, obj["Key"], str(dest))
+                n += 1
     if n == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise FileNotFoundError(f"{uri}: no objects under this prefix")

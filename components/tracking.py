@@ -235,6 +235,36 @@ class MlflowTracker(Tracker):
         with sub:
             yield sub
 
+    def end_interrupted(self, tag: str, value: str) -> list[str]:
+        """End FAILED every other RUNNING run of this experiment tagged ``tag = value`` (a plain token such as a
+        hash), and their RUNNING nested runs, each tagged ``interrupted``; returns the ids of the tagged runs
+        ended, newest first.
+
+        Only for a caller that knows no live process still writes to those runs (the pipeline holds the
+        lock of its run folder): a process killed with SIGKILL, or a preempted node, never ends its runs.
+        """
+        if "'" in value or "\\" in value:
+            raise ValueError(f"end_interrupted: tag value {value!r} must not hold quotes or backslashes")
+        found = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.{tag} = '{value}' and attributes.status = 'RUNNING'",
+            order_by=["attributes.start_time DESC"],
+        )
+        ended = []
+        for run in found:
+            if run.info.run_id == self.run_id:
+                continue
+            children = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.mlflow.parentRunId = '{run.info.run_id}' and attributes.status = 'RUNNING'",
+            )
+            for victim in [*children, run]:
+                note = f"interrupted: its process ended without closing it; found by run {self.run_id}"
+                self.client.set_tag(victim.info.run_id, "interrupted", note)
+                self.client.set_terminated(victim.info.run_id, status="FAILED")
+            ended.append(run.info.run_id)
+        return ended
+
 
 def make_tracker(tracking_uri: str | None, experiment: str, run_name: str | None = None) -> Tracker:
     """An :class:`MlflowTracker` when a tracking URI is set (argument or ``MLFLOW_TRACKING_URI``), else a null one."""

@@ -300,9 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from pipelines.errors import machine_fault
+
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except Exception as err:
+        fault = machine_fault(err)  # a full disk, a refused permission, storage gone: one line, no traceback
+        if fault is not None:
+            print(f"star-elastic: error: {fault}", file=sys.stderr)
+            return 1
+        if not isinstance(err, ValueError | FileNotFoundError):
+            raise
         for line in getattr(err, "problems", None) or [f"star-elastic: error: {err}"]:  # a ConfigError: its lines
             print(line, file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -9,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config import PipelineConfig, load_pipeline_config
-from pipelines.runner import PipelineRunner, StageFailed
+from pipelines.errors import machine_fault
+from pipelines.runner import PipelineRunner, StageFailed, run_folder_lock
 from pipelines.stages import pipeline_stages
 
 
@@ -32,13 +34,26 @@ def _init_ray(cfg: PipelineConfig) -> None:
             )
 
 
+RUN_DIR_TAG = "run_dir_id"
+"""Tag naming a pipeline execution's run folder by hash, so interrupted executions of it can be found."""
+
+
+def run_dir_id(run_dir: str | Path) -> str:
+    """A short hash of the absolute run folder (a plain token an MLflow filter can quote)."""
+    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
 def pipeline_tags(cfg: PipelineConfig, config_file: str | Path | None) -> dict[str, str]:
     """Tags of a pipeline execution's MLflow parent run, whoever runs it (``star-elastic run`` or a Kubeflow
     step): what produced it (git commit, uncommitted changes, hash of the validated config), the run folder,
     and the config file when the config came from one."""
     from components.tracking import source_tags
 
-    tags = {**source_tags(cfg.model_dump(mode="json", by_alias=True)), "run_dir": str(cfg.run_dir)}
+    tags = {
+        **source_tags(cfg.model_dump(mode="json", by_alias=True)),
+        "run_dir": str(cfg.run_dir),
+        RUN_DIR_TAG: run_dir_id(cfg.run_dir),
+    }
     if config_file is not None:
         tags["config_file"] = str(config_file)
     return tags
@@ -126,8 +141,6 @@ def run_pipeline(
     dry_run: bool = False,
     only: list[str] | None = None,
 ) -> int:
-    from components.tracking import MlflowTracker
-
     cfg = load_pipeline_config(config_path, overrides)
     runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
     plan = runner.plan(force_from)
@@ -142,12 +155,27 @@ def run_pipeline(
         torch.set_num_threads(cfg.threads)
     except ImportError:  # pragma: no cover
         pass
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    with run_folder_lock(cfg.run_dir):
+        return _run_locked(cfg, runner, config_path, force_from, only)
+
+
+def _run_locked(
+    cfg: PipelineConfig, runner: PipelineRunner, config_path: str, force_from: str | None, only: list[str] | None
+) -> int:
+    """The pipeline's execution while this process holds the run folder's lock."""
+    from components.tracking import MlflowTracker
+
     tracking_uri = cfg.resolved_tracking_uri()
     tracker = MlflowTracker(tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     # Whatever ends the run early (Ray failing to start, a bad --only, Ctrl-C, SIGTERM, which Ray's driver
     # turns into SystemExit) ends the MLflow run FAILED or KILLED with the error, never leaves it RUNNING.
+    # A SIGKILL or a lost node cannot: the next execution in the same folder (which holds its lock, so no live
+    # process writes to them) ends those runs FAILED and names the newest in its own tags.
     with tracker:
+        interrupted = tracker.end_interrupted(RUN_DIR_TAG, run_dir_id(cfg.run_dir))
+        if interrupted:
+            print(f"MLflow: ended {len(interrupted)} interrupted run(s) of this run folder FAILED: {interrupted}")
+            tracker.set_tags({"resumes_run_id": interrupted[0]})
         tracker.set_tags(pipeline_tags(cfg, config_path))
         tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
         tracker.log_artifact(config_path, "config")
@@ -157,7 +185,9 @@ def run_pipeline(
             results = runner.run(tracker, force_from=force_from, only=only)
         except StageFailed as err:
             tracker.finish("FAILED", str(err))
-            print(f"\n{err}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")
+            fault = machine_fault(err)
+            what = f"stage {err.stage!r} failed: {fault}" if fault else str(err)
+            print(f"\n{what}\nEarlier stages' outputs are kept under {cfg.run_dir}; fix and re-run to resume.")
             return 1
         outputs = {r.name: r.outputs for r in results}
         rows = summary_rows(outputs)

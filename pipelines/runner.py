@@ -8,6 +8,13 @@ changed (``force_from`` re-runs a stage and everything after it). The marker is
 written last and atomically: a half-written stage is never taken as done, and a
 failing stage leaves the earlier stages' folders untouched.
 
+A stage that starts records its key in ``_attempt.json``. A stage that can resume (its spec names
+the sub-folders holding its resumable state, e.g. the distillation's Ray Train checkpoints) and
+finds an unfinished attempt with the same key keeps those sub-folders when it runs again, so a
+pipeline killed mid-distillation continues from its last checkpoint; everything else in the folder
+is cleared. A changed key (config or upstream changed) or ``force_from`` starts the stage afresh,
+and the log says why.
+
 Output folders are deterministic, so every stage's config — including the URIs
 of its upstream outputs — is built and validated before the first stage starts.
 """
@@ -20,7 +27,8 @@ import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,8 +36,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from components.tracking import NullTracker, Tracker
+from pipelines.errors import machine_fault
 
 MARKER = "_stage.json"
+ATTEMPT = "_attempt.json"
 
 
 @dataclass
@@ -41,6 +51,8 @@ class StageSpec:
     build: Callable[[StageContext], BaseModel]
     run: Callable[[BaseModel, Tracker, StageContext], dict[str, Any]]
     description: str = ""
+    resumable: tuple[str, ...] = ()
+    """Sub-paths of the stage folder holding state an interrupted attempt with the same key resumes from."""
 
 
 @dataclass
@@ -74,17 +86,48 @@ def config_key(cfg: BaseModel, upstream_keys: list[str]) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
-def _write_marker(folder: Path, data: dict[str, Any]) -> None:
-    tmp = folder / f".{MARKER}.tmp"
+def _write_marker(folder: Path, data: dict[str, Any], name: str = MARKER) -> None:
+    tmp = folder / f".{name}.tmp"
     tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, folder / MARKER)
+    os.replace(tmp, folder / name)
 
 
-def _read_marker(folder: Path) -> dict[str, Any] | None:
+def _read_marker(folder: Path, name: str = MARKER) -> dict[str, Any] | None:
     try:
-        return json.loads((folder / MARKER).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads((folder / name).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
         return None
+
+
+def prepare_folder(spec: StageSpec, folder: Path, key: str, forced: bool) -> str:
+    """Empty ``folder`` for a new attempt of ``spec`` with ``key``; returns the log line saying what was kept.
+
+    An unfinished attempt (no marker of ``key``) with the same key keeps ``spec.resumable``; any other
+    earlier content is removed. The attempt's key is then recorded before the stage runs.
+    """
+    attempt = _read_marker(folder, ATTEMPT)
+    done = _read_marker(folder)
+    keep: tuple[str, ...] = ()
+    if attempt is None or done is not None and done.get("key") == attempt.get("key"):
+        why = "starting"
+    elif forced:
+        why = "forced: the interrupted attempt's state is discarded"
+    elif attempt.get("key") != key:
+        why = f"inputs changed since the interrupted attempt (key {attempt.get('key')} -> {key}): starting afresh"
+    elif not spec.resumable:
+        why = "restarting the interrupted attempt (this stage does not resume)"
+    else:
+        keep = tuple(p for p in spec.resumable if (folder / p).exists())
+        why = f"resuming the interrupted attempt (kept {', '.join(keep)})" if keep else "restarting: nothing to resume"
+    if folder.is_dir():
+        for child in folder.iterdir():
+            if child.name not in keep:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    _write_marker(folder, {"key": key, "started_at": time.time(), "pid": os.getpid()}, ATTEMPT)
+    return why
 
 
 def topological(stages: list[StageSpec]) -> list[StageSpec]:
@@ -195,6 +238,7 @@ class PipelineRunner:
         configs = self.build_configs()
         keys = self.keys(configs)
         plan = dict(self.plan(force_from))
+        forced = self._forced(force_from)
         self.check_only(only, plan)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         results: list[StageResult] = []
@@ -208,9 +252,8 @@ class PipelineRunner:
                 log(f"[{i}/{total}] {spec.name}: cached (key {keys[spec.name]})")
                 results.append(StageResult(spec.name, "cached", 0.0, marker.get("outputs", {})))
                 continue
-            log(f"[{i}/{total}] {spec.name}: running — {spec.description}")
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
+            why = prepare_folder(spec, folder, keys[spec.name], spec.name in forced)
+            log(f"[{i}/{total}] {spec.name}: running — {spec.description} ({why})")
             start = time.perf_counter()
             ctx = StageContext(self.config, self.run_dir, spec.name)
             try:
@@ -220,7 +263,9 @@ class PipelineRunner:
             except Exception as err:
                 seconds = time.perf_counter() - start
                 (folder / "_error.txt").write_text(traceback.format_exc())
-                log(f"[{i}/{total}] {spec.name}: FAILED after {seconds:.1f}s: {type(err).__name__}: {err}")
+                fault = machine_fault(err)  # a full disk or a refused permission: its one line, not a traceback
+                what = fault or f"{type(err).__name__}: {err}"
+                log(f"[{i}/{total}] {spec.name}: FAILED after {seconds:.1f}s: {what}")
                 results.append(StageResult(spec.name, "failed", seconds, error=f"{type(err).__name__}: {err}"))
                 raise StageFailed(spec.name, err, results) from err
             seconds = time.perf_counter() - start
@@ -231,6 +276,46 @@ class PipelineRunner:
             log(f"[{i}/{total}] {spec.name}: done in {seconds:.1f}s")
             results.append(StageResult(spec.name, "ran", seconds, outputs))
         return results
+
+
+LOCK = "_pipeline.lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live process runs a pipeline in the same run folder."""
+
+
+@contextmanager
+def run_folder_lock(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``run_dir`` for one pipeline execution (``flock`` on ``_pipeline.lock``).
+
+    The kernel drops the lock when its process dies, however it dies, so holding it proves that no live
+    process on this machine (or on a shared volume whose file system honours ``flock``) still runs a
+    pipeline here: what an earlier execution left RUNNING was interrupted. Raises :class:`RunFolderBusy`
+    naming the holder's pid when the lock is taken.
+    """
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise RunFolderBusy(
+                f"another pipeline (pid {holder}) is running in {run_dir}; wait for it, stop it, or set another "
+                "run_name / runs_dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 class StageFailed(RuntimeError):

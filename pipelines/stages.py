@@ -147,6 +147,11 @@ def _depth_order(ctx: StageContext) -> list[int] | None:
 
 
 # ---------------------------------------------------------------------- distillation
+CHECKPOINTS = "checkpoints"
+"""Sub-folder of a distillation stage holding its Ray Train checkpoints (local storage): the runner keeps it
+when an interrupted attempt with the same key runs again, so the phase resumes from its last checkpoint."""
+
+
 def _student_dir(ctx: StageContext, stage: str) -> str:
     return str((ctx.dir(stage) / "student").resolve())
 
@@ -167,6 +172,8 @@ def _distill_config(ctx: StageContext, phase: int, section: BaseModel) -> BaseMo
         base["init_from"] = _student_dir(ctx, "distill_phase1")
     if cfg.storage_uri:
         base["storage_path"] = f"{cfg.storage_uri.rstrip('/')}/{cfg.run_name}/ray/{ctx.name}"
+    else:
+        base["storage_path"] = str((ctx.dir() / CHECKPOINTS).resolve())
     return DistillConfig(**_merge(base, _inherit(cfg, section.model_dump(exclude_unset=True))))
 
 
@@ -344,8 +351,22 @@ def run_register_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
 STAGES: list[StageSpec] = [
     StageSpec("parent", [], build_parent, run_parent, "the parent checkpoint (train the demo parent if none given)"),
     StageSpec("rank", ["parent"], build_rank, run_rank_stage, "importance ranking (REAP for experts) and permutation"),
-    StageSpec("distill_phase1", ["rank"], build_distill1, run_distill_stage, "elastic distillation, short context"),
-    StageSpec("distill_phase2", ["distill_phase1"], build_distill2, run_distill_stage, "elastic distillation, long"),
+    StageSpec(
+        "distill_phase1",
+        ["rank"],
+        build_distill1,
+        run_distill_stage,
+        "elastic distillation, short context",
+        resumable=(CHECKPOINTS,),
+    ),
+    StageSpec(
+        "distill_phase2",
+        ["distill_phase1"],
+        build_distill2,
+        run_distill_stage,
+        "elastic distillation, long",
+        resumable=(CHECKPOINTS,),
+    ),
     StageSpec("export", ["distill_phase2"], build_export, run_export_stage, "one nested checkpoint (router argmax)"),
     StageSpec("evaluate", ["export"], build_evaluate, run_evaluate_stage, "accuracy, latency, budget control"),
     StageSpec("quantize", ["export", "evaluate"], build_quantize, run_quantize_stage, "FP8 / NVFP4 nested checkpoints"),

@@ -1,6 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible API over every budget of one nested checkpoint.
 
-Entry points: ``build_app(args)`` for ``serve run`` / ``serve deploy`` / a KubeRay RayService;
+Entry points: ``build_app(args)`` for ``serve run`` / ``serve deploy`` / a KubeRay RayService (the model
+replicas behind an ingress, :mod:`components.serving.deployments`);
 ``serve_foreground(model_uri, port, config)`` for ``star-elastic serve`` (checks a local checkpoint
 before Ray starts, serves until SIGTERM or Ctrl-C); ``ServingApp(state)``, the HTTP API alone
 (``.fastapi`` is the ASGI app, ``.close()`` stops the decode thread). The app is built on the replica
@@ -33,7 +34,7 @@ from components.serving.engine import JobResult
 from components.serving.responses import Finish, Renderer, collect
 from components.serving.state import ServingState
 
-__all__ = ["ServingApp", "ServingState", "StarElasticServer", "build_app", "serve_foreground"]
+__all__ = ["ServingApp", "ServingState", "build_app", "serve_foreground"]
 
 log = logging.getLogger("star_elastic.serving")
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -228,33 +229,19 @@ def _json(model: BaseModel) -> Response:
 
 
 # ---------------------------------------------------------------------- Ray Serve
-@serve.deployment
-@serve.ingress()
-class StarElasticServer:
-    """One replica: one weight copy, every budget. The FastAPI app is built after loading; Serve runs
-    its lifespan, so stopping the replica stops the decode thread (:meth:`ServingApp.close`)."""
-
-    def __init__(self, model_uri: str, config: dict[str, Any] | None = None) -> None:
-        self.api = ServingApp(ServingState(model_uri, ServingConfig.model_validate(config or {})))
-
-    def __serve_build_asgi_app__(self) -> FastAPI:
-        return self.api.fastapi
-
-    def check_health(self) -> None:
-        """Serve restarts the replica when this raises: only when the decode thread is gone."""
-        engine = self.api.state.engine
-        if not engine.alive:
-            raise RuntimeError(engine.error or "the decode thread is not running")
-
-
 def build_app(args: Mapping[str, Any]) -> serve.Application:
-    """The Serve application for ``args = {"model_uri": ..., ["config": dict | path], [field overrides]}``."""
+    """The Serve application for ``args = {"model_uri": ..., ["config": dict | path], [field overrides]}``:
+    the model replicas (``StarElasticServer``) behind the ingress that answers HTTP (``StarElasticIngress``)."""
     rest = dict(args)
     model_uri = rest.pop("model_uri", None)
     if not model_uri:
         raise ValueError("build_app: args must give model_uri (a checkpoint folder, s3://... or models:/NAME@alias)")
     config = load_config(rest.pop("config", None), **rest)
-    return StarElasticServer.options(**config.deployment_options()).bind(str(model_uri), config.model_dump())
+    from components.serving.deployments import StarElasticIngress, StarElasticServer  # they import this module
+
+    settings = config.model_dump()
+    model = StarElasticServer.options(**config.deployment_options()).bind(str(model_uri), settings)
+    return StarElasticIngress.options(**config.ingress_options()).bind(model, settings)
 
 
 def serve_foreground(

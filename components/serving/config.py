@@ -22,12 +22,21 @@ from components.data.tokenizer import ReasoningMarkers
 
 DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
 DEPLOYMENT_NAME = "StarElasticServer"
-"""Name of the Serve deployment (a RayService's Serve config, ``pipelines.kuberay.serve``, names it)."""
+"""Name of the model deployment (a RayService's Serve config, ``pipelines.kuberay.serve``, names it)."""
+INGRESS_NAME = "StarElasticIngress"
+"""Name of the ingress deployment in front of it (answers HTTP, probes, and 503s when replicas die)."""
 APP_NAME = "star-elastic"
 
 
 class AutoscalingSettings(BaseModel):
-    """Ray Serve replica autoscaling (Serve scales replicas; on Kubernetes Ray scales the pods)."""
+    """Ray Serve replica autoscaling (Serve scales replicas; on Kubernetes Ray scales the pods).
+
+    Every field is passed to Serve's ``AutoscalingConfig`` under the same name. Serve averages each
+    replica's ongoing requests over ``look_back_period_s`` (pushed every ``metrics_interval_s``), wants
+    ``ceil(total / target_ongoing_requests)`` replicas, and moves there once that want has held for
+    ``upscale_delay_s`` / ``downscale_delay_s``: a replica is added at the earliest ``upscale_delay_s``
+    after load rises, and removed at the latest ``downscale_delay_s + look_back_period_s`` after it falls.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +46,24 @@ class AutoscalingSettings(BaseModel):
     target_ongoing_requests: float = Field(4.0, gt=0, description="Ongoing requests per replica to aim at.")
     upscale_delay_s: float = Field(10.0, ge=0, description="How long load must stay high before scaling up.")
     downscale_delay_s: float = Field(120.0, ge=0, description="How long load must stay low before scaling down.")
+    downscale_to_zero_delay_s: float | None = Field(
+        None, ge=0, description="With min_replicas 0: how long before the last replica goes (None: downscale_delay_s)."
+    )
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Window over which each replica's ongoing requests are averaged before a decision."
+    )
+    metrics_interval_s: float = Field(
+        10.0, gt=0, description="How often replicas and callers report their ongoing requests to the controller."
+    )
+    upscaling_factor: float | None = Field(
+        None, gt=0, description="Gain on each upscaling step (1: go to the wanted count at once; <1: part way)."
+    )
+    downscaling_factor: float | None = Field(
+        None, gt=0, description="Gain on each downscaling step (1: go to the wanted count at once; <1: part way)."
+    )
+    aggregation_function: Literal["mean", "max", "min"] = Field(
+        "mean", description="How the samples in the look-back window are combined."
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingSettings:
@@ -44,7 +71,18 @@ class AutoscalingSettings(BaseModel):
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must lie between min_replicas and max_replicas")
+        # Serve only warns, then averages over fewer samples than one report: a window shorter than the
+        # report interval would decide on a single stale sample.
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"look_back_period_s {self.look_back_period_s:g} must be > metrics_interval_s "
+                f"{self.metrics_interval_s:g}: lengthen the window or report more often"
+            )
         return self
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config``: every field set, the optional ones only when given."""
+        return self.model_dump(exclude_none=True)
 
 
 class ServingConfig(BaseModel):
@@ -86,8 +124,8 @@ class ServingConfig(BaseModel):
     )
 
     # ---- weights and compute
-    format: Literal["auto", "dense", "fp8", "nvfp4"] = Field(
-        "auto", description="Weights to serve: as stored (auto), or demand dense / fp8 / nvfp4."
+    format: Literal["auto", "dense", "fp8", "nvfp4", "nvfp4_w4a4"] = Field(
+        "auto", description="Weights to serve: as stored (auto), or demand dense / fp8 / nvfp4 / nvfp4_w4a4."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype of dense tensors (auto: as stored)."
@@ -133,8 +171,8 @@ class ServingConfig(BaseModel):
     proxy_max_queued_requests: int = Field(
         1024,
         ge=1,
-        description="Requests Serve's HTTP proxy holds while no replica can take one (e.g. while replicas start); "
-        "more -> Serve's own 503. Unbounded when max_queued_requests is -1.",
+        description="Requests the ingress (and Serve's HTTP proxy before it) holds while no replica can take one "
+        "(e.g. while replicas start); more -> JSON 503. Unbounded when max_queued_requests is -1.",
     )
     max_choices_per_request: int = Field(
         16, ge=1, description="Most sequences one request may ask for (n x number of prompts); more -> 400."
@@ -144,6 +182,32 @@ class ServingConfig(BaseModel):
     num_cpus_per_replica: float = Field(1.0, ge=0, description="CPUs each replica reserves.")
     num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs each replica reserves.")
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings, description="Replica autoscaling.")
+
+    # ---- replica health (Ray Serve only)
+    health_check_period_s: float = Field(
+        5.0, gt=0, description="How often Serve calls each replica's check_health; a failed check replaces it."
+    )
+    health_check_timeout_s: float = Field(
+        60.0, gt=0, description="A check_health that has not answered after this long fails (a wedged event loop)."
+    )
+    stall_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="check_health fails when the decode thread has not finished a loop iteration for this long "
+        "(a wedged decode step); longer than the slowest prefill of a full batch.",
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Replicas of the ingress (no model, no CPU reserved) that answers HTTP in front of them."
+    )
+    replica_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long the ingress waits for a model replica to take a request (e.g. while one restarts) "
+        "before answering a JSON 503 with Retry-After.",
+    )
+    probe_timeout_s: float = Field(
+        2.0, gt=0, description="/health and /ready answer 503 when no model replica answers within this."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ServingConfig:
@@ -172,18 +236,36 @@ class ServingConfig(BaseModel):
         return 2 * self.max_ongoing_requests + max(self.max_queued_requests, 0)
 
     def deployment_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``Deployment.options`` for the serving deployment."""
-        auto = self.autoscaling.model_dump(exclude_none=True)
+        """Keyword arguments of ``Deployment.options`` for the model deployment (the replicas with weights)."""
         unbounded = self.max_queued_requests == -1
         return {
             "name": DEPLOYMENT_NAME,
             "max_ongoing_requests": self.serve_max_ongoing_requests(),
+            # the ingress's queue for this deployment while no replica can take a request (e.g. one restarts)
             "max_queued_requests": -1 if unbounded else self.proxy_max_queued_requests,
             "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
-            "autoscaling_config": auto,
+            "autoscaling_config": self.autoscaling.serve_config(),
             "ray_actor_options": {"num_cpus": self.num_cpus_per_replica, "num_gpus": self.num_gpus_per_replica},
+            "health_check_period_s": self.health_check_period_s,
             # The health check runs on the replica's event loop; a long decode step must not fail it.
-            "health_check_timeout_s": 60.0,
+            "health_check_timeout_s": self.health_check_timeout_s,
+        }
+
+    def ingress_options(self) -> dict[str, Any]:
+        """Keyword arguments of ``Deployment.options`` for the ingress: HTTP in front of the model replicas.
+
+        It holds no model, so it reserves no CPU and survives a model replica's death; it takes every
+        request any model replica could take (``max_replicas`` times one replica's share)."""
+        unbounded = self.max_queued_requests == -1
+        per_ingress = -(-self.serve_max_ongoing_requests() * self.autoscaling.max_replicas // self.ingress_replicas)
+        return {
+            "name": INGRESS_NAME,
+            "num_replicas": self.ingress_replicas,
+            "max_ongoing_requests": per_ingress + 16,  # + room for probes and /metrics of a full deployment
+            "max_queued_requests": -1 if unbounded else self.proxy_max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": self.retry_after_s},
+            "ray_actor_options": {"num_cpus": 0},
+            "health_check_period_s": self.health_check_period_s,
         }
 
 

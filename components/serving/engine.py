@@ -126,6 +126,7 @@ class Engine:
         self._concurrent_until = 0.0  # traffic counts as concurrent until then (perf_counter)
         self.error: str | None = None
         self.stats: dict[str, Any] = defaultdict(int)
+        self._beat = time.monotonic()  # when the decode loop last began an iteration (idle: every 0.5 s)
         self._thread = threading.Thread(target=self._run, name="star-elastic-decode", daemon=True)
 
     def start(self) -> Engine:
@@ -147,6 +148,16 @@ class Engine:
             raise EngineStopped(self.error or "the decode thread is not running")
         self._inbox.put(job)
         self._wake.set()
+
+    def health_error(self, stall_timeout_s: float) -> str | None:
+        """Why this engine cannot serve (None: it can): the decode thread is gone, or it has not begun a loop
+        iteration for ``stall_timeout_s`` seconds (wedged inside a step), which no request can get out of."""
+        if not self.alive:
+            return self.error or "the decode thread is not running"
+        stalled = time.monotonic() - self._beat
+        if stalled > stall_timeout_s:
+            return f"the decode thread has made no progress for {stalled:.0f} s (stall_timeout_s {stall_timeout_s:g})"
+        return None
 
     def snapshot_stats(self) -> dict[str, Any]:
         return {**self.stats, "active_groups": len(self._groups), "pending_rows": len(self._pending)}
@@ -181,6 +192,7 @@ class Engine:
         self._drain()
 
     def _iterate(self) -> None:
+        self._beat = time.monotonic()
         self._drain()
         if not self._groups and not self._pending:
             self._wait(0.5)

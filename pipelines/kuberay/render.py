@@ -106,11 +106,14 @@ def cluster_config(kind: str, registry: str = "", namespace: str = DEFAULT_NAMES
 
 
 def real_serve_app() -> ServeApp:
-    """Serving the registered model: one GPU per replica, 1 to 16 replicas (two of the eight nodes)."""
+    """Serving the registered model: one GPU per replica, 2 to 16 replicas (two of the eight nodes).
+
+    Two replicas at least, and two ingress replicas, so that one replica's death leaves one serving."""
     serving = ServingConfig(
         num_cpus_per_replica=8,
         num_gpus_per_replica=1,
-        autoscaling=AutoscalingSettings(min_replicas=1, max_replicas=16, target_ongoing_requests=8),
+        ingress_replicas=2,
+        autoscaling=AutoscalingSettings(min_replicas=2, max_replicas=16, target_ongoing_requests=8),
     )
     return ServeApp(model_uri="models:/star-elastic@champion", serving=serving)  # the alias the gate moves
 

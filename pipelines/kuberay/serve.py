@@ -10,6 +10,10 @@ Design choices:
   and is answered with its JSON 503 instead of queueing at the proxy.
 * The same settings travel to the replicas as the application's ``config`` argument, so the limits
   Serve routes by and the limits each replica enforces cannot disagree.
+* Two deployments: the ingress that answers HTTP (no model, no CPU reserved) and the model replicas
+  behind it, so a replica's death is answered by the ingress (JSON 503s, ``/health`` saying 503), not
+  by the proxy. Kubernetes probes stay KubeRay's own (the Serve proxy's ``/-/healthz`` on the workers,
+  the raylet on every pod): they check the pod, never a replica that Serve replaces by itself.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def serve_deploy_config(app: ServeApp) -> dict[str, Any]:
                 "route_prefix": app.route_prefix,
                 "import_path": app.import_path,
                 "args": {"model_uri": app.model_uri, **({"config": settings} if settings else {})},
-                "deployments": [app.serving.deployment_options()],
+                # the ingress (HTTP, probes, 503s for a dead replica) and the model replicas behind it
+                "deployments": [app.serving.ingress_options(), app.serving.deployment_options()],
             }
         ],
     }

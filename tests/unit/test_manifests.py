@@ -424,8 +424,9 @@ def test_ray_service_serve_config() -> None:
             "autoscaling": {"min_replicas": 0, "max_replicas": 12},
         },
     }
-    (deployment,) = application["deployments"]
-    assert deployment["name"] == "StarElasticServer"
+    ingress, deployment = application["deployments"]
+    assert (ingress["name"], deployment["name"]) == ("StarElasticIngress", "StarElasticServer")
+    assert ingress == serving.ingress_options() and ingress["ray_actor_options"] == {"num_cpus": 0}
     # Serve may send a replica its 8 running + 4 waiting, and 8 more to be refused with the replica's JSON 503.
     assert deployment["max_ongoing_requests"] == 20
     assert deployment["max_queued_requests"] == 1024  # the proxy's queue while no replica can take a request
@@ -435,6 +436,9 @@ def test_ray_service_serve_config() -> None:
         "target_ongoing_requests": 4.0,
         "upscale_delay_s": 10.0,
         "downscale_delay_s": 120.0,
+        "look_back_period_s": 30.0,
+        "metrics_interval_s": 10.0,
+        "aggregation_function": "mean",
     }
     assert deployment["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert deployment == serving.deployment_options()  # what `star-elastic serve` deploys, option for option
@@ -444,8 +448,10 @@ def test_ray_service_serve_config() -> None:
 def test_committed_ray_service_admits_what_the_replicas_admit() -> None:
     (service,) = _committed("rayservice.yaml")
     (application,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
-    (deployment,) = application["deployments"]
+    ingress, deployment = application["deployments"]
     replica = ServingConfig.model_validate(application["args"]["config"])
+    # at least two model replicas and two ingress replicas: one death leaves one of each serving
+    assert deployment["autoscaling_config"]["min_replicas"] == 2 and ingress["num_replicas"] == 2
     assert replica.max_ongoing_requests == 32 and replica.max_queued_requests == 64  # the serving defaults
     assert deployment["max_ongoing_requests"] == 2 * 32 + 64  # not the replica's own 32: overload reaches it
     assert deployment["autoscaling_config"]["max_replicas"] == 16
@@ -460,8 +466,8 @@ def test_rayservice_command_derives_serve_options_from_a_pipeline_serve_section(
     (doc,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     assert doc["kind"] == "RayService" and doc["metadata"]["namespace"] == "ml"
     (application,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
-    assert application["deployments"][0]["max_ongoing_requests"] == 8
-    assert application["deployments"][0]["autoscaling_config"]["max_replicas"] == 3
+    assert application["deployments"][1]["max_ongoing_requests"] == 8
+    assert application["deployments"][1]["autoscaling_config"]["max_replicas"] == 3
     assert application["args"]["config"]["max_ongoing_requests"] == 4
     assert_valid(doc)
 
@@ -558,7 +564,7 @@ def test_metadata_and_api_version_are_checked() -> None:
 def test_serve_config_is_checked_against_ray_serve() -> None:
     doc = ray_service_manifest(_gpu_autoscaling(), "s", {"model_uri": "m"})  # CPU replicas on a GPU cluster
     config = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    deployment = config["applications"][0]["deployments"][0]
+    deployment = config["applications"][0]["deployments"][1]
     deployment["autoscaling_config"]["max_replica"] = deployment["autoscaling_config"].pop("max_replicas")
     doc["spec"]["serveConfigV2"] = yaml.safe_dump(config)
     errors = manifest_errors(doc)

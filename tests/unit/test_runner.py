@@ -105,3 +105,53 @@ def test_every_invalid_stage_config_is_listed_before_anything_runs(tmp_path):
     msg = str(err.value)
     assert "a:" in msg and "c:" in msg and "typo" in msg
     assert calls == []
+
+
+def _resumable_stage(calls: list[tuple[str, bool]], value: int, fail: bool) -> list[StageSpec]:
+    """One stage ``t`` that writes ``state/progress`` (resumable) and ``scratch`` (not), and fails on ``fail``."""
+
+    def build(ctx):
+        return Cfg(value=value)
+
+    def run(cfg, tracker, ctx):
+        state = ctx.dir() / "state"
+        calls.append(("t", (state / "progress").exists()))
+        state.mkdir(exist_ok=True)
+        (state / "progress").write_text("step 80")
+        (ctx.dir() / "scratch").write_text("x")
+        if fail:
+            raise RuntimeError("killed")
+        return {}
+
+    return [StageSpec("t", [], build, run, description="t", resumable=("state",))]
+
+
+def test_interrupted_resumable_stage_keeps_its_state_with_the_same_key(tmp_path):
+    calls: list[tuple[str, bool]] = []
+    with pytest.raises(StageFailed):
+        PipelineRunner(_resumable_stage(calls, 1, fail=True), None, tmp_path).run(log=lambda s: None)
+    (tmp_path / "t" / "stray").write_text("left by the killed attempt")
+    lines: list[str] = []
+    PipelineRunner(_resumable_stage(calls, 1, fail=False), None, tmp_path).run(log=lines.append)
+    assert calls == [("t", False), ("t", True)]  # the second attempt found the first one's state
+    assert "resuming the interrupted attempt (kept state)" in lines[0]
+    assert not (tmp_path / "t" / "stray").exists()  # everything but the resumable state was cleared
+
+
+def test_changed_key_or_force_starts_a_resumable_stage_afresh(tmp_path):
+    calls: list[tuple[str, bool]] = []
+    with pytest.raises(StageFailed):
+        PipelineRunner(_resumable_stage(calls, 1, fail=True), None, tmp_path).run(log=lambda s: None)
+    lines: list[str] = []
+    with pytest.raises(StageFailed):
+        PipelineRunner(_resumable_stage(calls, 2, fail=True), None, tmp_path).run(log=lines.append)
+    assert calls[-1] == ("t", False) and "inputs changed since the interrupted attempt" in lines[0]
+    PipelineRunner(_resumable_stage(calls, 2, fail=False), None, tmp_path).run(force_from="t", log=lines.append)
+    assert calls[-1] == ("t", False) and "forced" in lines[-2]
+
+
+def test_finished_stage_rerun_with_new_key_keeps_nothing(tmp_path):
+    calls: list[tuple[str, bool]] = []
+    PipelineRunner(_resumable_stage(calls, 1, fail=False), None, tmp_path).run(log=lambda s: None)
+    PipelineRunner(_resumable_stage(calls, 2, fail=False), None, tmp_path).run(log=lambda s: None)
+    assert calls == [("t", False), ("t", False)]
