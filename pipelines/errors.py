@@ -1,4 +1,5 @@
-"""One line for the machine's own faults: a full disk, a permission refused, storage that stopped answering.
+"""One line for the machine's own faults: a full disk, a permission refused, storage that stopped answering,
+a run folder another live pipeline holds.
 
 Such a fault is not a bug to debug from a traceback: the operator needs the path or URI and what to
 do. :func:`machine_fault` walks an exception and everything behind it (``__cause__`` /
@@ -40,13 +41,14 @@ def machine_fault(err: BaseException) -> str | None:
     """The one line saying what failed and what to do, or None when ``err`` is not a machine fault."""
     from components.storage import StorageUnavailable
     from model.atomic import DiskFull
+    from pipelines.runner import RunFolderBusy
 
     for e in causes(err):
         if isinstance(getattr(e, "cause", None), BaseException):
             continue  # a Ray task error is an instance of its cause's class too; read the cause itself
         if isinstance(e, DiskFull):
             return e.strerror or str(e)
-        if isinstance(e, StorageUnavailable):
+        if isinstance(e, StorageUnavailable | RunFolderBusy):
             return str(e)
         if isinstance(e, OSError) and e.errno in _FULL:
             return f"no space left on device writing{_where(e)}: free space there or choose another folder"

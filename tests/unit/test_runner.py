@@ -155,3 +155,17 @@ def test_finished_stage_rerun_with_new_key_keeps_nothing(tmp_path):
     PipelineRunner(_resumable_stage(calls, 1, fail=False), None, tmp_path).run(log=lambda s: None)
     PipelineRunner(_resumable_stage(calls, 2, fail=False), None, tmp_path).run(log=lambda s: None)
     assert calls == [("t", False), ("t", False)]
+
+
+def test_a_second_pipeline_in_the_same_run_folder_is_refused_in_one_line(tmp_path, capsys):
+    """The lock proves no live process still writes there; a second `run` on it is one line, exit 1."""
+    from pipelines.cli import main
+    from pipelines.runner import run_folder_lock
+    from tests.helpers import write_tiny_pipeline_config
+
+    config = write_tiny_pipeline_config(tmp_path)
+    with run_folder_lock(tmp_path / "runs" / "tiny"):
+        assert main(["run", str(config)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("star-elastic: error: another pipeline (pid ")
+    assert str(tmp_path / "runs" / "tiny") in err
