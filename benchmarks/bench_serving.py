@@ -2,10 +2,14 @@
 
 ``--part throughput``: concurrent HTTP clients against the Serve app on a local Ray, for continuous,
 static and no batching side by side. ``--part memory``: the RSS of a fresh process serving every
-budget against the full budget only. Target: all budgets <= 1.1 x full only.
-Method: docs/benchmarks.md; figures: benchmarks/RESULTS.md.
+budget against the full budget only. Target: all budgets <= 1.1 x full only. ``--part grammar``: the
+cost of structured outputs: at 4 and 16 clients, all clients free against half of them asking for a
+JSON schema (``response_format``), rounds alternating; reported: tokens/s of both mixes and the
+grammar's own time per constrained token (mask computed and applied in the sampler, from ``/stats``).
+Method: docs/benchmarks.md and docs/serving.md; figures: benchmarks/RESULTS.md.
 
     python benchmarks/bench_serving.py --part all --json runs/bench_serving.json
+    python benchmarks/bench_serving.py --part grammar --json runs/bench_serving_grammar.json
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ PROBLEMS = {
 }
 MODES = {"continuous": (16, True), "static": (16, False), "no batching": (1, False)}
 """Configuration -> (batch_max_size, merge_running_batches)."""
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "integer", "minimum": -999, "maximum": 999},
+        "steps": {"type": "array", "items": {"enum": ["+", "-", "*"]}, "maxItems": 4},
+        "sure": {"type": "boolean"},
+    },
+    "required": ["answer", "steps", "sure"],
+}
+"""The JSON schema half the clients of ``--part grammar`` ask for (bounded: a random model's answer ends)."""
 
 
 def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
@@ -64,7 +78,7 @@ def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_fro
 
 
 # ---------------------------------------------------------------------- throughput
-async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]]:
+async def _client(url: str, n: int, offset: int, args, schema: bool = False) -> list[tuple[float, int]]:
     import httpx
 
     out = []
@@ -74,6 +88,9 @@ async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]
             body = {"model": args.model, "temperature": 0, "max_tokens": args.max_tokens,
                     "reasoning_budget": args.think, "messages": [
                         {"role": "user", "content": f"Q:{problems[(offset + i) % len(problems)]}\n"}]}  # fmt: skip
+            if schema:
+                body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer",
+                                                                                  "schema": ANSWER_SCHEMA}}  # fmt: skip
             t0 = time.perf_counter()
             r = await client.post("/v1/chat/completions", json=body)
             r.raise_for_status()
@@ -81,9 +98,12 @@ async def _client(url: str, n: int, offset: int, args) -> list[tuple[float, int]
     return out
 
 
-async def _run_clients(url: str, clients: int, args) -> dict[str, float]:
+async def _run_clients(url: str, clients: int, args, constrained: int = 0) -> dict[str, float]:
+    """``clients`` concurrent clients, the first ``constrained`` of them asking for :data:`ANSWER_SCHEMA`."""
     start = time.perf_counter()
-    per = await asyncio.gather(*(_client(url, args.requests, c * args.requests, args) for c in range(clients)))
+    per = await asyncio.gather(
+        *(_client(url, args.requests, c * args.requests, args, c < constrained) for c in range(clients))
+    )
     wall = time.perf_counter() - start
     flat = [x for p in per for x in p]
     return {"clients": clients, "requests": len(flat), "wall_s": wall, "tokens_s": sum(t for _, t in flat) / wall,
@@ -137,6 +157,72 @@ def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
     return [best[(m, c)] for m in modes for c in args.clients]
 
 
+# ---------------------------------------------------------------------- the cost of grammars
+def grammar_cost(ckpt: Path, args) -> list[dict[str, Any]]:
+    """All clients free against half of them asking for a JSON schema, at each of ``args.grammar_clients``.
+
+    One app (continuous batching); rounds alternate between the two mixes and the best round of each is kept.
+    The grammar's time per constrained token is the server's own count (``/stats``: seconds spent computing
+    and applying masks over tokens sampled under one), from the mixed rounds.
+    """
+    import httpx
+    import ray
+    from ray import serve
+
+    from components.serving.app import build_app
+    from tests.conftest import free_port
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}/grammar"
+    run = argparse.Namespace(**{**vars(args), "max_tokens": args.grammar_max_tokens})
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    masked = {c: [0.0, 0] for c in args.grammar_clients}  # clients -> [mask seconds, masked tokens]
+    try:
+        cfg = {"api_key_env": None, "batch_max_size": 16, "batch_wait_timeout_s": 0.01, "max_ongoing_requests": 32,
+               "max_queued_requests": 64, "torch_threads": args.threads, "max_tokens_limit": 256,
+               "autoscaling": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 16}}  # fmt: skip
+        serve.run(build_app({"model_uri": str(ckpt), "config": cfg}), name="grammar", route_prefix="/grammar")
+        while httpx.get(f"{url}/ready", timeout=30).status_code != 200:
+            time.sleep(0.5)
+        warm = argparse.Namespace(**{**vars(run), "requests": 1})
+        asyncio.run(_run_clients(url, 2, warm, constrained=1))  # compiles the schema once; warms both paths
+        total = args.rounds * len(args.grammar_clients) * 2
+        started, done = time.perf_counter(), 0
+        for rnd in range(args.rounds):
+            for clients in args.grammar_clients:
+                for mix, constrained in (("all free", 0), ("half JSON schema", clients // 2)):
+                    before = httpx.get(f"{url}/stats", timeout=30).json()["grammar"]
+                    row = asyncio.run(_run_clients(url, clients, run, constrained))
+                    after = httpx.get(f"{url}/stats", timeout=30).json()["grammar"]
+                    if constrained:
+                        masked[clients][0] += after["mask_s_total"] - before["mask_s_total"]
+                        masked[clients][1] += after["masked_tokens"] - before["masked_tokens"]
+                    done += 1
+                    eta = (time.perf_counter() - started) / done * (total - done)
+                    print(f"round {rnd} {mix:16s} clients={clients:3d} {row['tokens_s']:8.1f} tok/s "
+                          f"{row['requests_s']:6.2f} req/s p50 {row['p50_latency_s']:.2f}s  ({done}/{total}, "
+                          f"ETA {eta:.0f}s)", flush=True)  # fmt: skip
+                    key = (mix, clients)
+                    if key not in best or row["tokens_s"] > best[key]["tokens_s"]:
+                        best[key] = {**row, "mix": mix, "constrained_clients": constrained}
+        stats = httpx.get(f"{url}/stats", timeout=30).json()["grammar"]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    rows = []
+    for clients in args.grammar_clients:
+        free, mixed = best[("all free", clients)], best[("half JSON schema", clients)]
+        seconds, tokens = masked[clients]
+        for row in (free, mixed):
+            rows.append({**row, "vs_free": row["tokens_s"] / free["tokens_s"],
+                         "mask_us_per_token": 1e6 * seconds / tokens if tokens and row is mixed else None})  # fmt: skip
+    for row in rows:
+        row["compiles"], row["compile_ms_total"] = stats["compiles"], 1e3 * stats["compile_s_total"]
+    return rows
+
+
 # ---------------------------------------------------------------------- memory
 def _rss_child(ckpt: str, budgets: str) -> None:
     """Child process: load, answer one request per served budget, print the RSS as JSON."""
@@ -185,7 +271,7 @@ def memory(ckpts: dict[str, Path]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["throughput", "memory", "all"], default="all")
+    p.add_argument("--part", choices=["throughput", "memory", "grammar", "all"], default="all")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=4, help="requests per client")
     p.add_argument("--model", default="full", help="budget the clients ask for")
@@ -194,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8, help="max_tokens (answer) of every request")
     p.add_argument("--threads", type=int, default=1, help="torch threads in the replica")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds per setting (the best is kept)")
+    p.add_argument("--grammar-clients", type=int, nargs="+", default=[4, 16], help="clients of --part grammar")
+    p.add_argument("--grammar-max-tokens", type=int, default=48, help="max_tokens of every --part grammar request")
     p.add_argument("--json", default=None)
     p.add_argument("--rss-child", nargs=2, metavar=("CKPT", "BUDGETS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
                  "joins of running batches"],
                 [[r["mode"], r["clients"], r["requests"], r["tokens_s"], r["requests_s"], r["p50_latency_s"],
                   r["max_batch_size_seen"], r["joined_running_batches"]] for r in rows],
+            ))  # fmt: skip
+        if args.part in ("grammar", "all"):
+            rows = grammar_cost(demo, args)
+            result["grammar"] = rows
+            print(f"JSON schema of the constrained clients: {json.dumps(ANSWER_SCHEMA)}")
+            print(format_table(
+                ["mix", "clients", "requests", "tokens/s", "vs all free", "p50 latency s", "grammar us / token",
+                 "compiles", "compile ms"],
+                [[r["mix"], r["clients"], r["requests"], r["tokens_s"], r["vs_free"], r["p50_latency_s"],
+                  "" if r["mask_us_per_token"] is None else r["mask_us_per_token"], r["compiles"],
+                  r["compile_ms_total"]] for r in rows],
             ))  # fmt: skip
         if args.part in ("memory", "all"):
             large = build_checkpoint(Path(tmp) / "large", LARGE, LARGE_BUDGETS, vocab_from_tokenizer=False)

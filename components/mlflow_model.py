@@ -4,13 +4,16 @@ The registered model is a regular MLflow model (``MLmodel``, the checkpoint unde
 the project code under ``code/``, built from ``mlflow_model_code.py``: no pickle). ``predict`` is
 thin: the serving loader, the server's prompt rules and the generation functions evaluation uses. Requests are
 typed by :class:`GenerationRequest` (MLflow's signature); ``temperature`` defaults to 0 so
-predictions are reproducible.
+predictions are reproducible. Structured outputs and tools take the server's arguments (``response_format``,
+``tools``, ``tool_choice``, ``parallel_tool_calls``); a row with a grammar decodes on the serving engine,
+whose sampler applies it.
 
 Design notes (layout, ``model_config``, DataFrame inputs): docs/serving.md ("The registry model (MLflow pyfunc)").
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -26,13 +29,18 @@ if TYPE_CHECKING:
     from mlflow.models.model import ModelInfo
 
     from components.serving.config import ServingConfig
+    from components.serving.constraints import Constraint
+    from components.serving.engine import JobResult
+    from components.serving.grammar import Grammars
     from components.serving.loading import LoadedModel
     from components.serving.prompts import PromptRules
+    from components.serving.tools import ToolFormat
 
 CHECKPOINT_ARTIFACT = "checkpoint"
 """Key of the nested checkpoint folder in the pyfunc's ``artifacts``."""
 _REQUIREMENTS = (
     "mlflow", "torch", "safetensors", "tokenizers", "transformers", "jinja2", "numpy", "pandas", "pydantic", "tqdm",
+    "llguidance",
 )  # fmt: skip
 """Distributions ``predict`` imports (pinned to the versions installed when the model is logged)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -46,7 +54,11 @@ class ChatTurn(BaseModel):
 
     # a plain str checked below: MLflow's signature inference does not take Literal types
     role: str = Field(description=f"Who wrote it: one of {', '.join(ROLES)}.")
-    content: str = Field(description="The message text.")
+    content: str | None = Field(None, description="The message text (None: an assistant turn of tool calls).")
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="An assistant turn's tool calls, as the chat API returns them (arguments as JSON text)."
+    )
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     @field_validator("role")
     @classmethod
@@ -77,12 +89,28 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature (default 0: greedy).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass (default 1).")
     seed: int | None = Field(None, description="Sampling seed (per-row generators: independent of batching).")
+    response_format: dict[str, Any] | None = Field(
+        None, description="As the chat API: {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}."
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="As the chat API: function tools.")
+    tool_choice: str | None = Field(
+        None, description="'none', 'auto' (default with tools), 'required', or the name of the function to call."
+    )
+    parallel_tool_calls: bool | None = Field(None, description="False: at most one tool call.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerationRequest:
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("give exactly one of messages (chat) or prompt (completion)")
         return self
+
+
+class ToolCallResult(BaseModel):
+    """One tool call of a result."""
+
+    id: str = Field(description="The call's id (what a tool message's tool_call_id answers).")
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, JSON text of an object.")
 
 
 class GenerationResult(BaseModel):
@@ -97,6 +125,9 @@ class GenerationResult(BaseModel):
     prompt_tokens: int = Field(description="Prompt length in tokens.")
     reasoning_tokens: int = Field(description="Thinking tokens decoded (including any cut at the cap).")
     completion_tokens: int = Field(description="Every generated token, thinking included.")
+    tool_calls: list[ToolCallResult] | None = Field(
+        None, description="Tool calls read from the answer (then text holds what came before them)."
+    )
 
 
 # ---------------------------------------------------------------------- generation
@@ -112,13 +143,70 @@ class _Plan:
     temperature: float
     top_p: float
     seed: int | None
+    constraint: Constraint
 
     @property
     def key(self) -> tuple[Any, ...]:
         return self.budget, self.think, self.cap, self.max_tokens, self.temperature, self.top_p, self.seed
 
 
-def _plan(loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, config: ServingConfig, row: int) -> _Plan:
+def _constraint(req: GenerationRequest, fmt: ToolFormat, config: ServingConfig, row: int) -> Constraint:
+    """The row's constraint, validated by the server's rules (a ``ValueError`` naming the row and field)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from components.serving.constraints import ConstraintError, NamedToolChoice, ResponseFormat, Tool, build_constraint
+    from components.serving.protocol import validation_error
+
+    def invalid(field: str, err: ValidationError) -> ValueError:
+        e = validation_error(err)
+        return ValueError(f"row {row}: {field}{'.' if e.param else ': '}{e.message}")
+
+    try:
+        fmt_spec = ResponseFormat.model_validate(req.response_format) if req.response_format is not None else None
+    except ValidationError as err:
+        raise invalid("response_format", err) from None
+    try:
+        tools = TypeAdapter(list[Tool]).validate_python(req.tools) if req.tools is not None else None
+    except ValidationError as err:
+        raise invalid("tools", err) from None
+    choice: Any = req.tool_choice
+    if choice is not None and choice not in ("none", "auto", "required"):
+        choice = NamedToolChoice(type="function", function={"name": choice})
+    try:
+        return build_constraint(fmt, config.json_style, fmt_spec, None, tools, choice, req.parallel_tool_calls)
+    except ConstraintError as err:
+        raise ValueError(f"row {row}: {err.message}") from None
+
+
+def _messages(req: GenerationRequest, row: int) -> list[dict[str, Any]]:
+    """The chat messages as the template takes them (tool-call arguments as objects)."""
+    out = []
+    for i, m in enumerate(req.messages or []):
+        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                fn = c.get("function") or {}
+                try:
+                    args = json.loads(fn["arguments"]) if isinstance(fn.get("arguments"), str) else fn["arguments"]
+                    calls.append(
+                        {"id": c.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+                    )
+                except (KeyError, TypeError, json.JSONDecodeError):
+                    raise ValueError(
+                        f"row {row}: messages.{i}.tool_calls.{j}: expected {{'id', 'type': 'function', 'function': "
+                        "{'name', 'arguments' (JSON text of an object)}}"
+                    ) from None
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _plan(
+    loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, config: ServingConfig, row: int, fmt: ToolFormat
+) -> _Plan:
     """What row ``row`` decodes; a request the rules refuse is a ``ValueError`` naming the row and the field."""
     from components.serving.prompts import PromptError, check_length
 
@@ -132,9 +220,10 @@ def _plan(loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, confi
     for field, value in (("max_tokens", max_tokens), ("reasoning_budget", req.reasoning_budget)):
         if value is not None and value > config.max_tokens_limit:
             raise ValueError(f"row {row}: {field}: {value} is above max_tokens_limit {config.max_tokens_limit}")
+    constraint = _constraint(req, fmt, config, row)
     try:
         if req.messages is not None:
-            ids, thinks = rules.chat([m.model_dump() for m in req.messages])
+            ids, thinks = rules.chat(_messages(req, row), req.tools or None)
         else:
             ids, thinks = rules.completion(req.prompt or "")
         check_length(ids, config.max_prompt_tokens, "messages" if req.messages is not None else "prompt")
@@ -156,24 +245,88 @@ def _plan(loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, confi
             f"must end with {rules.tokenizer.markers.think_open!r} to think)"
         )
     temperature = 0.0 if req.temperature is None else req.temperature
-    return _Plan(ids, budget, think, cap, max_tokens, temperature, 1.0 if req.top_p is None else req.top_p, req.seed)
+    top_p = 1.0 if req.top_p is None else req.top_p
+    return _Plan(ids, budget, think, cap, max_tokens, temperature, top_p, req.seed, constraint)
+
+
+def _on_engine(
+    loaded: LoadedModel, config: ServingConfig, compiled: dict[int, Any], plans: dict[int, _Plan]
+) -> dict[int, JobResult]:
+    """Decode ``plans`` (row -> plan) on the serving engine, whose sampler applies each row's grammar (``compiled``:
+    row -> compiled grammar, copied per row).
+
+    Seeds follow the server (``row_seed(seed, 0)`` thinking, ``row_seed(seed, 1)`` answering). The engine's
+    events are read on a private event loop in a worker thread, so ``predict`` works inside a running loop too.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from components.serving.engine import Engine, Job
+    from components.serving.responses import collect
+    from model.generate import SamplingParams
+
+    rows = sorted(plans)
+    engine = Engine(loaded, config).start()
+
+    async def run() -> list[JobResult]:
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = []
+        for k, row in enumerate(rows):
+            p = plans[row]
+            sampling = SamplingParams(
+                max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed
+            )
+            grammar = compiled[row].deep_copy()
+            job = Job(p.prompt, p.budget, p.think, p.cap, p.max_tokens, sampling, (), False, loop, events=events,
+                      index=k, grammar=grammar)  # fmt: skip
+            jobs.append(job)
+            engine.submit(job)
+        return await collect(jobs)
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            results = pool.submit(asyncio.run, run()).result()
+    finally:
+        engine.stop()
+    return dict(zip(rows, results, strict=True))
 
 
 def generate(
-    loaded: LoadedModel, requests: Sequence[GenerationRequest], config: ServingConfig
+    loaded: LoadedModel,
+    requests: Sequence[GenerationRequest],
+    config: ServingConfig,
+    grammars: Grammars | None = None,
 ) -> list[GenerationResult]:
-    """Answer every request (outputs in input order); rows with equal settings decode as one batch."""
+    """Answer every request (outputs in input order); rows with equal settings decode as one batch, rows with a
+    grammar on the serving engine (``grammars``: compiled grammars to reuse; built when None and needed)."""
+    from components.serving.grammar import GrammarError, Grammars
     from components.serving.prompts import PromptRules
+    from components.serving.tools import tool_format
     from model.generate import RowStart, SamplingParams, decode_rows
     from model.phases import budget_control
 
-    rules = PromptRules(loaded.tokenizer)
-    plans = [_plan(loaded, rules, r, config, i) for i, r in enumerate(requests)]
+    fmt = tool_format(config.tool_parser)
+    rules = PromptRules(loaded.tokenizer, fmt)
+    plans = [_plan(loaded, rules, r, config, i, fmt) for i, r in enumerate(requests)]
+    constrained = {i: p for i, p in enumerate(plans) if p.constraint.grammar is not None}
+    if constrained and grammars is None:
+        vocab = loaded.registry.full.config.vocab_size
+        grammars = Grammars(loaded.tokenizer, vocab, loaded.tokens.answer_stop_ids, config.json_style)
+    compiled = {}
+    for i, p in constrained.items():
+        try:
+            compiled[i] = grammars.compiled(p.constraint.grammar)  # type: ignore[union-attr, arg-type]
+        except GrammarError as err:
+            raise ValueError(f"row {i}: {err.message}") from None
+    results: list[GenerationResult | None] = [None] * len(plans)
+    if constrained:
+        for i, r in _on_engine(loaded, config, compiled, constrained).items():
+            p = plans[i]
+            results[i] = _result(p, r.content, r.reasoning, r.finish_reason, r.reasoning_tokens, r.answer_tokens, fmt)
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     for i, p in enumerate(plans):
-        groups[p.key].append(i)
+        if i not in constrained:
+            groups[p.key].append(i)
     tokens = loaded.tokens
-    results: list[GenerationResult | None] = [None] * len(plans)
     for rows in groups.values():
         first = plans[rows[0]]
         prompts = [plans[i].prompt for i in rows]
@@ -187,16 +340,11 @@ def generate(
             )  # fmt: skip
             for i, r in zip(rows, outs, strict=True):
                 answer = r.answer_tokens[:-1] if r.answer_stop == "stop_id" else r.answer_tokens
-                results[i] = GenerationResult(
-                    text=rules.visible_text(answer),
-                    reasoning=rules.visible_text(r.think_tokens),
-                    budget=first.budget,
-                    think_model=first.think,
-                    finish_reason="length" if r.answer_stop == "length" else "stop",
-                    prompt_tokens=len(plans[i].prompt),
-                    reasoning_tokens=r.think_generated,
-                    completion_tokens=r.think_generated + len(r.answer_tokens),
-                )
+                finish = "length" if r.answer_stop == "length" else "stop"
+                results[i] = _result(
+                    plans[i], rules.visible_text(answer), rules.visible_text(r.think_tokens), finish,
+                    r.think_generated, len(r.answer_tokens), fmt,
+                )  # fmt: skip
         else:
             params = SamplingParams(
                 max_new_tokens=first.max_tokens, temperature=first.temperature, top_p=first.top_p,
@@ -205,17 +353,33 @@ def generate(
             outs = decode_rows(loaded.registry.get(first.budget), [RowStart(list(p)) for p in prompts], params)
             for i, o in zip(rows, outs, strict=True):
                 answer = o.tokens[:-1] if o.stop_reason == "stop_id" else o.tokens
-                results[i] = GenerationResult(
-                    text=rules.visible_text(answer),
-                    reasoning=None,
-                    budget=first.budget,
-                    think_model=None,
-                    finish_reason="length" if o.stop_reason == "length" else "stop",
-                    prompt_tokens=len(plans[i].prompt),
-                    reasoning_tokens=0,
-                    completion_tokens=len(o.tokens),
-                )
+                finish = "length" if o.stop_reason == "length" else "stop"
+                results[i] = _result(plans[i], rules.visible_text(answer), None, finish, 0, len(o.tokens), fmt)
     return [r for r in results if r is not None]
+
+
+def _result(
+    plan: _Plan,
+    text: str,
+    reasoning: str | None,
+    finish: str,
+    reasoning_tokens: int,
+    answer_tokens: int,
+    fmt: ToolFormat,
+) -> GenerationResult:
+    """One result; with tools (and a tool choice other than none) the answer's tool calls are read back."""
+    calls = []
+    if plan.constraint.reads_tools:
+        content, parsed = fmt.parse(text, plan.constraint.parallel)
+        text = content or ""
+        calls = [ToolCallResult(id=c.id, name=c.name, arguments=c.arguments) for c in parsed]
+        if calls and plan.constraint.choice != "named" and finish != "length":
+            finish = "tool_calls"
+    return GenerationResult(
+        text=text, reasoning=reasoning, budget=plan.budget, think_model=plan.think, finish_reason=finish,
+        prompt_tokens=len(plan.prompt), reasoning_tokens=reasoning_tokens,
+        completion_tokens=reasoning_tokens + answer_tokens, tool_calls=calls or None,
+    )  # fmt: skip
 
 
 class StarElasticModel(mlflow.pyfunc.PythonModel):
@@ -231,12 +395,20 @@ class StarElasticModel(mlflow.pyfunc.PythonModel):
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
         self.loaded = LoadedModel.load(context.artifacts[CHECKPOINT_ARTIFACT], self.config)
+        self.grammars: Grammars | None = None  # compiled grammars, kept across predict calls
+        try:
+            from components.serving.grammar import Grammars
+
+            loaded, vocab = self.loaded, self.loaded.registry.full.config.vocab_size
+            self.grammars = Grammars(loaded.tokenizer, vocab, loaded.tokens.answer_stop_ids, self.config.json_style)
+        except Exception:  # a tokenizer the grammar engine cannot read: generate() says so for rows that need one
+            self.grammars = None
 
     def predict(
         self, context: Any, model_input: list[GenerationRequest], params: dict[str, Any] | None = None
     ) -> list[GenerationResult]:
         """Requests (validated by MLflow against the type hint) -> one result per request, in order."""
-        return generate(self.loaded, model_input, self.config)
+        return generate(self.loaded, model_input, self.config, self.grammars)
 
 
 # ---------------------------------------------------------------------- logging

@@ -314,12 +314,20 @@ class TextTokenizer:
             out["content"] = f"{m.think_open}{reasoning}{m.think_close}{message.get('content') or ''}"
         return out
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         """The text of ``messages`` through the chat template (``apply_chat_template(tokenize=False)``).
 
         A message may carry ``reasoning_content``: it is passed to the template when the template reads
         that field (its text mentions ``reasoning_content`` or a message's ``thinking``), else folded into
-        ``content`` as ``think_open + reasoning + think_close + content``.
+        ``content`` as ``think_open + reasoning + think_close + content``. ``tools`` (OpenAI function
+        tools) and ``template_kwargs`` (extra template variables) reach the template as
+        ``apply_chat_template(tools=..., **template_kwargs)`` passes them.
 
         Without a chat template the rendering is a plain fallback: ``bos`` (when the tokenizer has one),
         then one line ``"{role}: {content}"`` per message, an assistant line ending with ``eos`` before
@@ -336,16 +344,32 @@ class TextTokenizer:
             if add_generation_prompt:
                 parts.append("assistant: ")
             return "".join(parts)
+        kwargs = dict(template_kwargs or {})
         if self._compiled is not None:
-            return self._render_compiled(self._compiled, msgs, add_generation_prompt)
-        return self._render_reference(msgs, add_generation_prompt)
+            return self._render_compiled(self._compiled, msgs, add_generation_prompt, tools, kwargs)
+        return self._render_reference(msgs, add_generation_prompt, tools, kwargs)
 
-    def _render_reference(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def _render_reference(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        return self.hf.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+        )
 
-    def _render_compiled(self, compiled: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """What ``apply_chat_template`` does for plain-string messages: None fields dropped, the
-        reasoning also passed as ``thinking``, the special tokens as template variables."""
+    def _render_compiled(
+        self,
+        compiled: Any,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """What ``apply_chat_template`` does for plain-string messages and dict tools: None fields dropped,
+        the reasoning also passed as ``thinking``, the special tokens and extra kwargs as template variables."""
         chat = []
         for m in messages:
             m = {k: v for k, v in m.items() if v is not None}
@@ -355,10 +379,11 @@ class TextTokenizer:
             chat.append(m)
         return compiled.render(
             messages=chat,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **self.hf.special_tokens_map,
+            **(kwargs or {}),
         )
 
     @cached_property
@@ -367,9 +392,18 @@ class TextTokenizer:
         rendered = self.render_chat([{"role": "user", "content": "x"}], add_generation_prompt=True)
         return rendered.rstrip().endswith(self.markers.think_open)
 
-    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Ids of ``messages`` rendered with the generation prompt: what generation starts from."""
-        return self.encode(self.render_chat(messages, add_generation_prompt=True))
+        return self.encode(self.render_chat(messages, True, tools, template_kwargs))
+
+    def template_mentions(self, name: str) -> bool:
+        """Whether the chat template's text mentions ``name`` (e.g. ``tool_calls``: it renders them itself)."""
+        return self._template is not None and name in self._template
 
     def contains_special(self, text: str) -> list[str]:
         """Special-token strings found in ``text`` (user input must not smuggle control tokens), in order

@@ -13,6 +13,7 @@ Routes, examples and design notes: docs/serving.md ("The application").
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -30,9 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from components.serving import protocol as P
 from components.serving.config import APP_NAME, ServingConfig, load_config
-from components.serving.engine import JobResult
+from components.serving.engine import Job, JobResult
 from components.serving.responses import Finish, Renderer, collect
-from components.serving.state import ServingState
+from components.serving.responses_api import ResponsesRequest, parse_responses_request
+from components.serving.responses_render import ResponsesRenderer
+from components.serving.state import Prompt, ServingState
 
 __all__ = ["ServingApp", "ServingState", "build_app", "serve_foreground"]
 
@@ -66,6 +69,7 @@ class ServingApp:
             ("GET", "/v1/models/{model_id}", self.get_model),
             ("POST", "/v1/chat/completions", self.chat_completions),
             ("POST", "/v1/completions", self.completions),
+            ("POST", "/v1/responses", self.responses),
             ("GET", "/stats", self.stats),
             ("GET", "/metrics", self.metrics),
         ]
@@ -117,6 +121,10 @@ class ServingApp:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completions", P.CompletionRequest)
 
+    async def responses(self, request: Request) -> Response:
+        """The Responses API, stateless (``components.serving.responses_api``)."""
+        return await self._generate(request, "responses", ResponsesRequest)
+
     async def stats(self, request: Request) -> Response:
         """Per-budget metrics, engine counters, admission and memory of this replica, as JSON."""
         state = self.state
@@ -134,6 +142,7 @@ class ServingApp:
             "metrics": state.metrics.snapshot(),
             "admission": {"running": admission.running, "waiting": admission.waiting, "rejected": admission.rejected},
             "metrics_exported_to_ray": state.metrics.exported,
+            "grammar": state.grammar_stats(),
             **state.memory(),
         }
         return JSONResponse(body)
@@ -147,14 +156,32 @@ class ServingApp:
         return error_response(P.OpenAIError(exc.status_code, str(exc.detail), code=code))
 
     # ------------------------------------------------------------------ generation
+    def _prepare(self, cls: type, body: bytes) -> tuple[Any, list[Job], list[Prompt], Any]:
+        """``(request, jobs, prompts, renderer)`` of a request body; a Responses request runs as the
+        equivalent chat request, its errors renamed to its own fields."""
+        state = self.state
+        if cls is ResponsesRequest:
+            req = parse_responses_request(body)
+            state.check_budget(req.model, "model")
+            chat, origin = req.to_chat()
+            try:
+                jobs, prompts = state.make_jobs(chat)
+            except P.OpenAIError as err:
+                raise ResponsesRequest.rename(err, origin) from None
+            return req, jobs, prompts, ResponsesRenderer(req, jobs, prompts, state.tool_format)
+        req = P.parse_request(cls, body)
+        jobs, prompts = state.make_jobs(req)
+        return req, jobs, prompts, Renderer(req, jobs, prompts, self._token_text, state.tool_format)
+
     async def _generate(self, request: Request, route: str, cls: type) -> Response:
         """Parse, admit, submit, then answer at once or stream; every failure is an OpenAI-shaped error."""
         state, budget = self.state, "none"
         try:
             state.authorize(request)
-            req = P.parse_request(cls, await state.read_body(request))
-            budget = req.model if req.model in state.cards else "unknown"
-            jobs, prompts = state.make_jobs(req)
+            body = await state.read_body(request)
+            model = _model_of(body)
+            budget = model if model in state.cards else ("unknown" if model else "none")
+            req, jobs, prompts, render = self._prepare(cls, body)
             await state.admission.acquire()
         except Exception as err:
             return self._failed(route, budget, err)
@@ -162,12 +189,12 @@ class ServingApp:
         release = True  # the request holds its admission slot until its last token is sent
         try:
             state.submit(jobs)
-            render = Renderer(req, jobs, prompts, self._token_text)
             if req.stream:
                 release = False  # the stream releases the slot after its last event
                 return StreamingResponse(self._events(render, finish), media_type="text/event-stream")
             results = await collect(jobs)
-            body = render.body(results).model_dump_json()
+            answer = render.body(results)
+            body = answer.model_dump_json() if isinstance(answer, BaseModel) else json.dumps(answer)
         except Exception as err:
             return self._failed(route, budget, err)
         finally:
@@ -226,6 +253,16 @@ class ServingApp:
 
 def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _model_of(body: bytes) -> str | None:
+    """The ``model`` field of a JSON body, for the metrics' budget label (None when there is none)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None
 
 
 # ---------------------------------------------------------------------- Ray Serve

@@ -3,7 +3,9 @@
 Rows that start from the same cached length and feed the same number of tokens to one budget are
 prefilled together as a group (no padding ever enters a Mamba state); prefilled groups of one budget
 then merge into one decoding batch (:meth:`Group.absorb`), shorter KV histories left-padded and
-masked. Sampling, stops and limits are per row.
+masked. Sampling, stops, limits and grammars are per row: a row with a grammar (structured outputs, a
+forced tool call; answer phase only) samples from its own logits with the tokens its grammar forbids masked,
+so constrained and free rows share a batch and each samples what it would sample alone.
 
 Design notes (stops, kept state, log-probabilities): docs/serving.md ("Continuous batching").
 """
@@ -11,12 +13,15 @@ Design notes (stops, kept state, log-probabilities): docs/serving.md ("Continuou
 from __future__ import annotations
 
 import random
+import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from components.serving.grammar import allowed_tokens
 from components.serving.logprobs import LogprobEntry, prompt_logprobs, token_logprobs
 from model import generate as gen  # the primitives of model.generate's batched loop
 from model.cache import concat_caches
@@ -51,6 +56,8 @@ class Row:
         self.gen: torch.Generator | None = None  # made on the model's device when the row joins a group
         self.want_lp = self.job.logprobs if self.phase == "answer" else None
         self.lp: list[LogprobEntry] = []
+        # the grammar constrains the answer only: thinking between the markers is free
+        self.matcher: Any = self.job.grammar if self.phase == "answer" else None
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         if self.gen is None and not self.greedy:
@@ -68,9 +75,15 @@ class Group:
     """Rows decoded together on one budget model (the batched loop of :mod:`model.generate`)."""
 
     def __init__(
-        self, model: torch.nn.Module, rows: list[Row], snapshot_ids: frozenset[int], decode: Callable[..., str]
+        self,
+        model: torch.nn.Module,
+        rows: list[Row],
+        snapshot_ids: frozenset[int],
+        decode: Callable[..., str],
+        stats: dict[str, Any] | None = None,
     ) -> None:
         self.model, self.rows, self.snapshot_ids, self.decode = model, rows, snapshot_ids, decode
+        self.stats = stats if stats is not None else defaultdict(int)  # grammar mask counters
         self.device = next(model.parameters()).device
         for r in rows:
             r.generator(self.device)
@@ -103,17 +116,48 @@ class Group:
         self.length = length
         other.rows = []
 
+    def masked_logits(self) -> dict[int, torch.Tensor]:
+        """Per constrained row ``j``: its logits (1, vocab) with the tokens its grammar forbids at -inf.
+
+        The batch's logits themselves stay the model's own (log-probabilities are taken from them); a row
+        whose grammar allows nothing gets no entry and fails.
+        """
+        constrained = [j for j, r in enumerate(self.rows) if r.matcher is not None]
+        if not constrained:
+            return {}
+        start = time.perf_counter()
+        vocab = self.logits.shape[-1]
+        allowed = allowed_tokens([self.rows[j].matcher for j in constrained], vocab).to(self.logits.device)
+        idx = torch.tensor(constrained, device=self.logits.device)
+        masked = self.logits.index_select(0, idx).masked_fill(~allowed, float("-inf"))  # (constrained, vocab)
+        alive = allowed.any(-1).tolist()
+        self.stats["grammar_masked_tokens"] += len(constrained)
+        self.stats["grammar_mask_s"] += time.perf_counter() - start
+        return {j: masked[k : k + 1] for k, j in enumerate(constrained) if alive[k]}
+
     def step(self) -> tuple[list[Row], list[Row]]:
         """Sample one token for every row; returns (rows that got a token, rows that finished)."""
         rows, logits = self.rows, self.logits
+        masked = self.masked_logits()
         greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
-        stepped, finished, keep = list(rows), [], []
+        stepped, finished, keep = [], [], []
         for j, row in enumerate(rows):
-            tok = greedy[j] if row.greedy else int(gen.sample_next(logits[j : j + 1], row.params, row.gen))
+            if row.matcher is not None and j not in masked:  # the grammar allows no token: the row fails
+                row.reason = "grammar_error"
+                finished.append(row)
+                continue
+            own = masked.get(j, logits[j : j + 1])
+            if row.greedy:
+                tok = int(own.argmax(-1)) if j in masked else greedy[j]
+            else:
+                tok = int(gen.sample_next(own, row.params, row.gen))
             row.tokens.append(tok)
+            stepped.append(row)
             if row.want_lp is not None:
                 row.lp.append(token_logprobs(logits[j : j + 1], [tok], row.want_lp)[0])
-            if row.job.cancelled:
+            if row.matcher is not None and not row.matcher.consume_token(tok):
+                row.reason = "grammar_error"
+            elif row.job.cancelled:
                 row.reason = "cancelled"
             elif tok in row.stop_ids:
                 row.reason = "stop_id"

@@ -85,6 +85,28 @@ class AutoscalingSettings(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class EffortSetting(BaseModel):
+    """What one ``reasoning_effort`` value of a request means: a think cap and, optionally, the budget that thinks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    think_cap: int | None = Field(
+        None, ge=0, description="Most thinking tokens (0: answer directly; None: think_limit); clipped to "
+        "max_tokens_limit.",
+    )  # fmt: skip
+    think_model: str | None = Field(
+        None, min_length=1, description="Budget that thinks (elastic budget control); None: the requested model."
+    )
+
+
+def _default_efforts() -> dict[str, EffortSetting]:
+    caps = {"none": 0, "minimal": 16, "low": 64, "medium": 256, "high": None, "xhigh": None, "max": None}
+    return {name: EffortSetting(think_cap=cap) for name, cap in caps.items()}
+
+
 class ServingConfig(BaseModel):
     """Everything the serving application needs besides the model URI."""
 
@@ -122,6 +144,24 @@ class ServingConfig(BaseModel):
         description="Strings that open and close the model's reasoning (tokens or token sequences): they split "
         "reasoning_content from content and bound the thinking phase.",
     )
+    reasoning_effort: dict[ReasoningEffort, EffortSetting] = Field(
+        default_factory=_default_efforts,
+        description="What each reasoning_effort of a request means (a think cap, optionally a thinking budget); "
+        "an effort missing here is refused with a 400. A request's own reasoning_budget / think_model win.",
+    )
+
+    # ---- structured outputs and tools
+    tool_parser: Literal["hermes", "nemotron_v2"] = Field(
+        "hermes",
+        description="How the model writes tool calls (its chat template's format): hermes = <tool_call>{json}"
+        "</tool_call> per call; nemotron_v2 = <TOOLCALL>[{json}, ...]</TOOLCALL>.",
+    )
+    json_style: Literal["spaced", "compact", "flexible"] = Field(
+        "spaced",
+        description="Layout of constrained JSON: spaced = one line with ', ' and ': '; compact = no spaces; "
+        "flexible = any whitespace (a weak model may then spend its tokens on whitespace).",
+    )
+    grammar_cache_size: int = Field(256, ge=1, description="Compiled grammars kept (one per distinct schema).")
 
     # ---- weights and compute
     format: Literal["auto", "dense", "fp8", "nvfp4", "nvfp4_w4a4"] = Field(

@@ -62,7 +62,8 @@ class Job:
     """One sequence of a request. ``think_budget`` None: no thinking phase (a plain completion).
 
     ``index``: the choice index its events carry; ``logprobs``: alternatives per answer token (None:
-    no log-probabilities); ``echo``: also score the prompt (plain completions only).
+    no log-probabilities); ``echo``: also score the prompt (plain completions only); ``grammar``: this
+    sequence's own grammar matcher (``components.serving.grammar``), applied to its answer phase only.
     """
 
     prompt: list[int]
@@ -78,6 +79,8 @@ class Job:
     index: int = 0
     logprobs: int | None = None
     echo: bool = False
+    grammar: Any = None
+    constraint: Any = None  # the request's constraints.Constraint: how the answer is read back (tool calls)
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -248,7 +251,7 @@ class Engine:
             for i in range(0, len(rows), size):
                 chunk = rows[i : i + size]
                 try:
-                    group = Group(model, chunk, self.tokens.line_breaks, self.text)
+                    group = Group(model, chunk, self.tokens.line_breaks, self.text, self.stats)
                 except Exception as err:  # a failed prefill fails its requests, not the replica
                     self._fail(chunk, err)
                     continue
@@ -275,6 +278,9 @@ class Engine:
         for row in finished:
             if row.reason == "cancelled":
                 self._finished("cancelled_rows")
+                continue
+            if row.reason == "grammar_error":
+                self._fail([row], RuntimeError(f"the grammar allows no token: {row.matcher.get_error() or 'stopped'}"))
                 continue
             try:
                 self._think_done(row) if row.phase == "think" else self._answer_done(row)

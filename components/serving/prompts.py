@@ -15,11 +15,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from components.data.tokenizer import TextTokenizer
+    from components.serving.tools import ToolFormat
 
-__all__ = ["CHECKED_FIELDS", "PromptError", "PromptRules", "check_length", "check_messages"]
+__all__ = ["CHECKED_FIELDS", "PromptError", "PromptRules", "check_length", "check_messages", "check_strings"]
 
-CHECKED_FIELDS = ("content", "reasoning_content", "name")
+CHECKED_FIELDS = ("content", "reasoning_content", "name", "tool_call_id", "tool_calls")
 """Message fields the chat template renders as text, so the ones checked for control text."""
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize", "chat_template"}
+)
+"""Template variables the server sets itself: ``chat_template_kwargs`` may not override them."""
 
 
 class PromptError(ValueError):
@@ -42,16 +47,32 @@ def check_messages(messages: Sequence[Mapping[str, Any]], forbidden: Callable[[s
         raise PromptError("messages: at least one message with role 'user' is required", "messages")
     for i, m in enumerate(messages):
         for key in CHECKED_FIELDS:
-            text = m.get(key)
-            bad = forbidden(text) if isinstance(text, str) else []
-            if bad:
-                param = f"messages.{i}.{key}"
-                raise PromptError(
-                    f"{param}: must not contain the special tokens or reasoning markers {bad} (they would act "
-                    "as control tokens); remove them from the text",
-                    param,
-                    "special_token",
-                )
+            if m.get(key) is not None:
+                check_strings(m[key], f"messages.{i}.{key}", forbidden)
+
+
+def check_strings(value: Any, param: str, forbidden: Callable[[str], list[str]]) -> None:
+    """Refuse control text in ``value`` or in any string nested in it (a template renders them all).
+
+    Raises:
+        PromptError: ``param`` extended by the path to the string (``tools.0.function.description``).
+    """
+    if isinstance(value, str):
+        bad = forbidden(value)
+        if bad:
+            raise PromptError(
+                f"{param}: must not contain the special tokens or reasoning markers {bad} (they would act "
+                "as control tokens); remove them from the text",
+                param,
+                "special_token",
+            )
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            check_strings(k, param, forbidden)
+            check_strings(v, f"{param}.{k}", forbidden)
+    elif isinstance(value, (list, tuple)):
+        for k, v in enumerate(value):
+            check_strings(v, f"{param}.{k}", forbidden)
 
 
 def check_length(ids: Sequence[int], limit: int, param: str) -> None:
@@ -69,8 +90,8 @@ def check_length(ids: Sequence[int], limit: int, param: str) -> None:
 class PromptRules:
     """The prompt rules over one tokenizer (module docstring): chat and completion ids, visible text."""
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: TextTokenizer, tool_format: ToolFormat | None = None) -> None:
+        self.tokenizer, self.tool_format = tokenizer, tool_format
         markers = tokenizer.markers
         self.markers = tuple(m for m in (markers.think_open, markers.think_close) if m)
         # tokens decoded from a prompt's end to find a marker (whitespace after it included)
@@ -89,18 +110,43 @@ class PromptRules:
             return "open"
         return "closed" if tail.endswith(tok.markers.think_close) else None
 
-    def chat(self, messages: Sequence[Mapping[str, Any]]) -> tuple[list[int], bool]:
-        """``(prompt ids, whether it thinks)`` of chat ``messages`` (dicts as the chat template takes them).
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[int], bool]:
+        """``(prompt ids, whether it thinks)`` of chat ``messages`` (dicts as the chat template takes them),
+        with ``tools`` (OpenAI function tools) and ``template_kwargs`` passed to the template.
+
+        An assistant turn's ``tool_calls`` reach a template that renders them; for one that does not, they
+        are folded into the turn's content in the tool format's own text (as reasoning is folded).
 
         Raises:
-            PromptError: from :func:`check_messages`.
+            PromptError: from :func:`check_messages` / :func:`check_strings`, or a reserved template kwarg.
         """
         check_messages(messages, self.forbidden)
-        ids = list(self.tokenizer.prompt_ids([dict(m) for m in messages]))
+        check_strings(list(tools or []), "tools", self.forbidden)
+        check_strings(dict(template_kwargs or {}), "chat_template_kwargs", self.forbidden)
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
+        reserved += sorted(set(self.tokenizer.hf.special_tokens_map).intersection(template_kwargs or {}))
+        if reserved:
+            param = f"chat_template_kwargs.{reserved[0]}"
+            raise PromptError(f"{param}: set by the server; it cannot be overridden", param)
+        msgs = [self._fold_calls(dict(m)) for m in messages]
+        ids = list(self.tokenizer.prompt_ids(msgs, list(tools) if tools else None, dict(template_kwargs or {})))
         state = self.thinking(ids)
         if state is None:  # the template does not open the thinking: open it, so budget control applies
             ids += list(self.tokenizer.think_open_ids)
         return ids, state != "closed"
+
+    def _fold_calls(self, message: dict[str, Any]) -> dict[str, Any]:
+        calls = message.get("tool_calls")
+        if not calls or self.tool_format is None or self.tokenizer.template_mentions("tool_calls"):
+            return message
+        text = self.tool_format.render([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+        content = message.get("content") or ""
+        return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": content + text}
 
     def completion(self, prompt: str | Sequence[int], param: str = "prompt") -> tuple[list[int], bool]:
         """``(prompt ids, whether it thinks)`` of a raw-text or token-id completion prompt.

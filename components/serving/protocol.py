@@ -2,8 +2,9 @@
 
 Requests are validated strictly (``strict=True``, ``extra="forbid"``) from the raw JSON body, so a
 wrong type, an unknown field or bad JSON is a 400 naming the field. Unimplemented OpenAI parameters
-are accepted only at their neutral value. Extensions: ``reasoning_budget`` (standard budget control)
-and ``think_model`` (elastic budget control); the thinking comes back as ``reasoning_content``.
+are accepted only at their neutral value. Extensions: ``reasoning_budget`` (standard budget control,
+vLLM's ``thinking_token_budget`` is the same) and ``think_model`` (elastic budget control); the thinking
+comes back as ``reasoning_content``. Structured outputs and tools: :mod:`components.serving.constraints`.
 
 Design notes (defaults, ``n`` and prompt lists, logprobs, echo, errors): docs/serving.md ("The wire format").
 """
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+
+from components.serving.constraints import FUNCTION_NAME, ResponseFormat, StructuredOutputs, Tool, ToolChoice
 
 MAX_STOP_STRINGS = 4
 PROMPT_FORMS = "prompt: must be a string, a list of strings, a list of token ids (integers) or a list of token-id lists"
@@ -58,13 +61,14 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none"}
 
 def _loc(loc: tuple[Any, ...]) -> str | None:
     parts = [str(p) for p in loc if not (isinstance(p, str) and p.startswith(("function-", "union[")))]
-    parts = [p for p in parts if p not in _UNION_TAGS and not p.startswith(("list[", "dict["))]  # union members
+    parts = [p for p in parts if p not in _UNION_TAGS and not p.startswith(("list[", "dict[", "literal["))]  # members
     return ".".join(parts) or None
 
 
-def validation_error(err: ValidationError) -> OpenAIError:
-    """The first problem of a pydantic error as a 400 naming the parameter."""
-    first = err.errors()[0]
+def validation_error(err: ValidationError, deepest: bool = False) -> OpenAIError:
+    """The first problem of a pydantic error as a 400 naming the parameter (``deepest``: the problem with the
+    longest path instead, e.g. inside a list of items rather than "not a string" for ``str | list[...]``)."""
+    first = max(err.errors(), key=lambda e: len(e["loc"])) if deepest else err.errors()[0]
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
     param = _loc(first["loc"])
@@ -93,12 +97,42 @@ class ContentPart(_Strict):
     text: str
 
 
+def json_object_text(v: str) -> str:
+    """``v`` when it is the JSON text of an object (a tool call's arguments), else a ``ValueError``."""
+    try:
+        parsed = json.loads(v)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("must be a JSON object")
+    return v
+
+
+class CalledFunction(_Strict):
+    name: str = Field(pattern=FUNCTION_NAME)
+    arguments: str = Field(description="The arguments as JSON text (an object).")
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        return json_object_text(v)
+
+
+class ToolCallParam(_Strict):
+    """A tool call of an earlier assistant turn."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -108,22 +142,24 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template takes it: text content, optional fields only when given."""
+        """The message as the chat template takes it: text content, optional fields only when given, tool
+        calls with their arguments as objects (what chat templates render, as vLLM passes them)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         for key in ("reasoning_content", "name", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
         return out
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-
-class ResponseFormat(_Strict):
-    type: str
-    json_schema: dict[str, Any] | None = None
 
 
 # (field, is the value neutral?, why a non-neutral value is refused); checked after validation
@@ -150,7 +186,10 @@ class _GenerationRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     reasoning_budget: int | None = Field(None, description="Most thinking tokens (0: answer directly).")
+    thinking_token_budget: int | None = Field(None, description="vLLM's name of reasoning_budget.")
     think_model: str | None = Field(None, min_length=1, description="Budget that thinks before `model` answers.")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constraints (one of them).")
     n: int = Field(1, ge=1, description="Choices per prompt.")
     user: str | None = None
     # accepted at their neutral values only (see check_supported)
@@ -172,6 +211,14 @@ class _GenerationRequest(_Strict):
         if any(s == "" for s in items):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @model_validator(mode="after")
+    def _budget_alias(self) -> _GenerationRequest:
+        if self.thinking_token_budget is not None:
+            if self.reasoning_budget is not None and self.reasoning_budget != self.thinking_token_budget:
+                raise ValueError("reasoning_budget and thinking_token_budget disagree; give one")
+            self.reasoning_budget = self.thinking_token_budget
+        return self
 
     def check_supported(self) -> None:
         """Raise a 400 naming the first parameter set to a value this server does not implement."""
@@ -195,7 +242,9 @@ class _GenerationRequest(_Strict):
         raise NotImplementedError
 
 
-_NO_TOOLS = "tool calling is not supported (send no tools, or an empty list)"
+_LEGACY_FUNCTIONS = "the legacy functions API is not supported; send tools and tool_choice"
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""vLLM's ``reasoning_effort`` values; each maps to a think cap and optionally a thinking budget (config)."""
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -203,14 +252,15 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(None, description="Alias of max_tokens.")
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # accepted at their neutral values only
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = Field(None, description="Mapped to think caps (serving config).")
+    include_reasoning: bool = Field(True, description="False: the thinking still runs but is not returned.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    # accepted at their neutral values only
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    reasoning_effort: str | None = None
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -223,20 +273,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     _checks: ClassVar[list[_Check]] = [
         *_COMMON_CHECKS,
-        ("tools", lambda v: not v, _NO_TOOLS),
-        ("functions", lambda v: not v, _NO_TOOLS),
-        ("tool_choice", lambda v: v in (None, "none", "auto"), _NO_TOOLS + "; tool_choice may be 'none' or 'auto'"),
-        ("function_call", lambda v: v in (None, "none", "auto"), _NO_TOOLS + "; function_call may be 'none' or 'auto'"),
-        (
-            "response_format",
-            lambda v: v is None or v.type == "text",
-            "only {'type': 'text'} is supported (no JSON mode or schema)",
-        ),
-        (
-            "reasoning_effort",
-            lambda v: v is None,
-            "not supported; bound the thinking with reasoning_budget (tokens) and choose think_model",
-        ),
+        ("functions", lambda v: not v, _LEGACY_FUNCTIONS),
+        ("function_call", lambda v: v in (None, "none", "auto"), _LEGACY_FUNCTIONS),
         ("service_tier", lambda v: v in (None, "auto", "default"), "only 'auto' or 'default' is supported"),
         ("store", lambda v: not v, "stored completions are not supported (send false)"),
         ("modalities", lambda v: v in (None, ["text"]), "only ['text'] is supported"),
@@ -305,7 +343,7 @@ def parse_request(cls: type[_GenerationRequest], body: bytes) -> Any:
     try:
         req = cls.model_validate_json(body)
     except ValidationError as err:
-        raise validation_error(err) from None
+        raise validation_error(err, deepest=True) from None
     req.check_supported()
     return req
 
@@ -358,10 +396,37 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed tool call: sent whole, once its block is complete (``index`` counts the choice's calls)."""
+
+    index: int
+
+
 class AssistantMessage(BaseModel):
+    """``tool_calls`` is left out when the answer holds none (as vLLM leaves it out)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -387,6 +452,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A request's jobs share one event queue of ``(choice index, kind, payload)`` events; the
 non-streaming path waits for every ``done``, the streaming path turns each event into one chunk for
-its choice. Whatever ends a request early cancels all of its jobs.
+its choice. Whatever ends a request early cancels all of its jobs. A chat answer with tools is read
+back into ``tool_calls`` by the tool format (:mod:`components.serving.tools`), streamed call by call.
 
 Design notes (event kinds, usage, echo): docs/serving.md ("Responses and streaming").
 """
@@ -16,6 +17,7 @@ from components.serving import protocol as P
 from components.serving.engine import Job, JobResult
 from components.serving.logprobs import LogprobEntry, TokenText, chat_logprobs, completion_logprobs
 from components.serving.state import Prompt
+from components.serving.tools import ParsedCall, ToolFormat, ToolStream
 
 Finish = Callable[[int, list[JobResult]], None]
 """Called once per request with its HTTP status and finished results (for metrics)."""
@@ -57,15 +59,43 @@ def budget_control(job: Job, r: JobResult) -> P.BudgetControl:
     )  # fmt: skip
 
 
-class Renderer:
-    """Response bodies of one request: ``token_text`` shows a token id in logprobs fields."""
+def tool_calls(calls: Sequence[ParsedCall]) -> list[P.ToolCall]:
+    return [P.ToolCall(id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
-    def __init__(self, req: Any, jobs: Sequence[Job], prompts: Sequence[Prompt], token_text: TokenText) -> None:
+
+class Renderer:
+    """Response bodies of one request: ``token_text`` shows a token id in logprobs fields; ``fmt`` reads tool
+    calls back from a chat answer when the request has tools (and a tool choice other than ``none``)."""
+
+    def __init__(
+        self,
+        req: Any,
+        jobs: Sequence[Job],
+        prompts: Sequence[Prompt],
+        token_text: TokenText,
+        fmt: ToolFormat | None = None,
+    ) -> None:
         self.req, self.jobs, self.prompts, self.token_text = req, jobs, prompts, token_text
         self.chat = isinstance(req, P.ChatCompletionRequest)
         self.echo = bool(getattr(req, "echo", False))
         self.id = P.new_id("chatcmpl" if self.chat else "cmpl")
         self.created = P.now()
+        self.constraint = jobs[0].constraint if jobs else None
+        reads = self.chat and fmt is not None and self.constraint is not None and self.constraint.reads_tools
+        self.fmt = fmt if reads else None
+        self.show_reasoning = bool(getattr(req, "include_reasoning", True))
+
+    def read_tools(self, r: JobResult) -> tuple[str | None, list[ParsedCall], str]:
+        """``(content, tool calls, finish_reason)`` of one chat answer: tool calls end a choice with
+        ``tool_calls``, except a named tool choice (``stop``, as the OpenAI API) or a cut answer (``length``)."""
+        if self.fmt is None:
+            return r.content, [], r.finish_reason
+        content, calls = self.fmt.parse(r.content, self.constraint.parallel)
+        return content, calls, self.finish(r, bool(calls))
+
+    def finish(self, r: JobResult, called: bool) -> str:
+        named = self.constraint is not None and self.constraint.choice == "named"
+        return "tool_calls" if called and not named and r.finish_reason != "length" else r.finish_reason
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.req.n]
@@ -78,13 +108,16 @@ class Renderer:
         control = budget_control(self.jobs[0], results[0])
         use = usage(self.prompts, results)
         if self.chat:
-            choices = [
-                P.ChatChoice(
-                    index=i, message=P.AssistantMessage(content=r.content, reasoning_content=r.reasoning),
-                    finish_reason=r.finish_reason, logprobs=self.chat_lp(r.logprobs),
+            choices = []
+            for i, r in enumerate(results):
+                content, calls, finish = self.read_tools(r)
+                message = P.AssistantMessage(
+                    content=content, reasoning_content=r.reasoning if self.show_reasoning else None,
+                    tool_calls=tool_calls(calls) or None,
+                )  # fmt: skip
+                choices.append(
+                    P.ChatChoice(index=i, message=message, finish_reason=finish, logprobs=self.chat_lp(r.logprobs))
                 )
-                for i, r in enumerate(results)
-            ]  # fmt: skip
             return P.ChatCompletion(
                 id=self.id, created=self.created, model=self.req.model, choices=choices, usage=use,
                 budget_control=control,
@@ -115,9 +148,12 @@ class Renderer:
         finish_reason: str | None = None,
         entries: list[LogprobEntry] | None = None,
         first: bool = False,
+        calls: list[P.ToolCallDelta] | None = None,
     ) -> bytes:
         if self.chat:
-            delta = P.ChatDelta(role="assistant" if first else None, content=content, reasoning_content=reasoning)
+            delta = P.ChatDelta(
+                role="assistant" if first else None, content=content, reasoning_content=reasoning, tool_calls=calls
+            )
             choice = P.ChatChunkChoice(
                 index=index, delta=delta, finish_reason=finish_reason, logprobs=self.chat_lp(entries)
             )
@@ -133,10 +169,25 @@ class Renderer:
         )
         return P.sse(P.Completion(id=self.id, created=self.created, model=self.req.model, choices=[c]))
 
+    def _tool_chunk(self, index: int, content: str, calls: list[ParsedCall], entries: Any = None) -> bytes | None:
+        """One chunk of a choice whose answer is read for tool calls: the content delta and completed calls."""
+        sent = self._calls_sent[index]
+        self._calls_sent[index] += len(calls)
+        deltas = [
+            P.ToolCallDelta(index=sent + k, id=c.id, function=P.FunctionCall(name=c.name, arguments=c.arguments))
+            for k, c in enumerate(calls)
+        ]
+        if not content and not deltas and not entries:
+            return None
+        return self._chunk(index, content=content or None, entries=entries, calls=deltas or None)
+
     async def stream(self, finish: Finish) -> AsyncIterator[bytes]:
         """Server-sent events of every choice, then usage (if asked) and ``[DONE]``."""
         n = len(self.jobs)
         self._offsets = [0] * n
+        self._calls_sent = [0] * n
+        texts = [""] * n  # the answer so far, per choice (read for tool calls)
+        readers = [ToolStream(self.fmt, self.constraint.parallel) for _ in range(n)] if self.fmt else []
         results: dict[int, JobResult] = {}
         wants_prompt_lp = self.echo and self.req.logprobs_k is not None
         try:
@@ -150,7 +201,14 @@ class Renderer:
                 if kind == "prompt":
                     yield self._chunk(index, content=self.prompt_of(index).echo_text, entries=payload)
                 elif kind == "reasoning":
-                    yield self._chunk(index, reasoning=payload)
+                    if self.show_reasoning:
+                        yield self._chunk(index, reasoning=payload)
+                elif kind == "content" and readers:
+                    text, entries = payload
+                    texts[index] += text
+                    chunk = self._tool_chunk(index, *readers[index].feed(texts[index]), entries)
+                    if chunk is not None:
+                        yield chunk
                 elif kind == "content":
                     text, entries = payload
                     yield self._chunk(index, content=text, entries=entries)
@@ -160,7 +218,13 @@ class Renderer:
                     return
                 else:
                     results[index] = payload
-                    yield self._chunk(index, finish_reason=payload.finish_reason)
+                    reason = payload.finish_reason
+                    if readers:
+                        chunk = self._tool_chunk(index, *readers[index].finish(payload.content))
+                        if chunk is not None:
+                            yield chunk
+                        reason = self.finish(payload, self._calls_sent[index] > 0)
+                    yield self._chunk(index, finish_reason=reason)
             done = [results[i] for i in range(n)]
             finish(200, done)
             if self.req.include_usage:

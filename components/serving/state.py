@@ -3,7 +3,9 @@
 :class:`ServingState` is the replica: one weight copy, the decode thread, metrics, admission and
 identity; it knows nothing about HTTP beyond a bounded body and the bearer key. :class:`Admission`
 is the replica's backpressure (a request holds its slot until its last token is sent). A request
-becomes one :class:`~components.serving.engine.Job` per (prompt, choice), indexed ``prompt * n + choice``.
+becomes one :class:`~components.serving.engine.Job` per (prompt, choice), indexed ``prompt * n + choice``;
+a request's constraint (:mod:`components.serving.constraints`) is compiled before it is admitted, and
+every job gets its own copy of the grammar.
 
 Design notes (seeds of ``n`` choices): docs/serving.md ("The replica and admission").
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -22,11 +25,16 @@ from fastapi import Request
 
 from components.serving import protocol as P
 from components.serving.config import ServingConfig, resolve_checkpoint
+from components.serving.constraints import Constraint, ConstraintError, build_constraint, compile_constraint
 from components.serving.engine import Engine, EngineStopped, Job
+from components.serving.grammar import Grammars
 from components.serving.loading import LoadedModel
 from components.serving.metrics import ServingMetrics
 from components.serving.prompts import PromptError, PromptRules, check_length
+from components.serving.tools import tool_format
 from model.generate import SamplingParams, row_seed
+
+log = logging.getLogger("star_elastic.serving")
 
 
 class Admission:
@@ -95,7 +103,25 @@ class ServingState:
         self.admission = Admission(config.max_ongoing_requests, config.max_queued_requests, config.retry_after_s)
         self.pid, self.started_at = os.getpid(), time.time()
         self.cards = self.loaded.cards
-        self.rules = PromptRules(self.loaded.tokenizer)
+        self.tool_format = tool_format(config.tool_parser)
+        self.rules = PromptRules(self.loaded.tokenizer, self.tool_format)
+        for effort, setting in config.reasoning_effort.items():
+            if setting.think_model is not None and setting.think_model not in self.cards:
+                raise ValueError(
+                    f"reasoning_effort.{effort}.think_model: {setting.think_model!r} is not a served budget "
+                    f"({list(self.cards)})"
+                )
+        self.grammars: Grammars | None = None
+        self.grammar_error: str | None = None
+        try:  # a tokenizer the grammar engine cannot read costs structured outputs, not the replica
+            vocab = self.loaded.registry.full.config.vocab_size
+            self.grammars = Grammars(
+                self.loaded.tokenizer, vocab, self.loaded.tokens.answer_stop_ids, config.json_style,
+                config.grammar_cache_size,
+            )  # fmt: skip
+        except Exception as err:
+            self.grammar_error = f"{type(err).__name__}: {err}"
+            log.warning("structured outputs are unavailable: the grammar engine cannot read the tokenizer (%s)", err)
 
     def close(self) -> None:
         self.engine.stop()
@@ -159,11 +185,43 @@ class ServingState:
             )  # fmt: skip
         return name
 
+    def constraint(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[Constraint, Any]:
+        """The request's constraint and its compiled grammar (cached; None without one); a 400 naming the field
+        otherwise."""
+        chat = isinstance(req, P.ChatCompletionRequest)
+        try:
+            constraint = build_constraint(
+                self.tool_format, self.config.json_style, req.response_format, req.structured_outputs,
+                req.tools if chat else None, req.tool_choice if chat else None,
+                req.parallel_tool_calls if chat else None,
+            )  # fmt: skip
+            compiled = None
+            if constraint.grammar is not None:
+                if self.grammars is None:
+                    raise ConstraintError(
+                        f"{constraint.grammar.param}: structured outputs are unavailable on this replica (the grammar "
+                        f"engine cannot read the checkpoint's tokenizer: {self.grammar_error})",
+                        constraint.grammar.param,
+                    )
+                compiled = compile_constraint(self.grammars, constraint)
+        except ConstraintError as err:
+            raise P.OpenAIError(400, err.message, param=err.param, code="invalid_value") from None
+        return constraint, compiled
+
+    def template_kwargs(self, req: P.ChatCompletionRequest) -> dict[str, Any]:
+        """``chat_template_kwargs``, plus vLLM's ``reasoning_effort`` / ``enable_thinking`` when an effort is given."""
+        kwargs: dict[str, Any] = {}
+        if req.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": req.reasoning_effort, "enable_thinking": req.reasoning_effort != "none"}
+        return {**kwargs, **(req.chat_template_kwargs or {})}
+
     def prompts(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> list[Prompt]:
         """The request's prompts, checked (no control text in chat, non-empty, not too long)."""
         try:
             if isinstance(req, P.ChatCompletionRequest):
-                ids, thinks = self.rules.chat([m.for_template() for m in req.messages])
+                tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+                messages = [m.for_template() for m in req.messages]
+                ids, thinks = self.rules.chat(messages, tools or None, self.template_kwargs(req))
                 prompts, params = [Prompt(ids, thinks, "")], ["messages"]
             else:
                 raw = req.prompts
@@ -180,12 +238,36 @@ class ServingState:
         echo_text = prompt if isinstance(prompt, str) else self.loaded.tokenizer.decode(prompt)
         return Prompt(ids, thinks, echo_text)
 
+    def _effort(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[int | None, str | None]:
+        """``(think cap, think_model)`` of the request: its own fields, else its reasoning_effort's setting (whose
+        thinking budget applies only when it is not larger than the answering one)."""
+        cfg = self.config
+        budget_param = "thinking_token_budget" if req.thinking_token_budget is not None else "reasoning_budget"
+        cap = self._limit(req.reasoning_budget, cfg.default_think_cap, budget_param, 0)
+        effort = getattr(req, "reasoning_effort", None)
+        if effort is None:
+            return cap, req.think_model
+        setting = cfg.reasoning_effort.get(effort)
+        if setting is None:
+            raise P.OpenAIError(
+                400, f"reasoning_effort: {effort!r} is not configured on this server; configured: "
+                f"{sorted(cfg.reasoning_effort)}", param="reasoning_effort", code="invalid_value",
+            )  # fmt: skip
+        if req.reasoning_budget is None:
+            cap = None if setting.think_cap is None else min(setting.think_cap, cfg.max_tokens_limit)
+        if req.think_model is not None or setting.think_model is None:
+            return cap, req.think_model
+        cards = self.cards
+        larger = cards[setting.think_model].active_params > cards[req.model].active_params
+        return cap, None if larger and not cfg.allow_think_larger else setting.think_model
+
     def make_jobs(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[list[Job], list[Prompt]]:
         """One job per (prompt, choice), sharing one event queue; the prompts too (for ``echo``)."""
         cfg = self.config
         model = self.check_budget(req.model, "model")
         max_tokens = self._limit(req.max_tokens, cfg.default_max_tokens, "max_tokens", 1)
-        cap = self._limit(req.reasoning_budget, cfg.default_think_cap, "reasoning_budget", 0)
+        cap, think_model = self._effort(req)  # after check_budget: req.model is served
+        constraint, compiled = self.constraint(req)
         prompts = self.prompts(req)
         count = len(prompts) * req.n
         if count > cfg.max_choices_per_request:
@@ -196,7 +278,7 @@ class ServingState:
         echo = bool(getattr(req, "echo", False))
         think = None
         if any(p.thinks for p in prompts):
-            think = self.check_budget(req.think_model, "think_model") if req.think_model is not None else model
+            think = self.check_budget(think_model, "think_model") if think_model is not None else model
             size_t, size_a = self.cards[think].active_params, self.cards[model].active_params
             if size_t > size_a and not cfg.allow_think_larger:
                 raise P.OpenAIError(
@@ -210,7 +292,7 @@ class ServingState:
                 )  # fmt: skip
         if isinstance(req, P.CompletionRequest) and not all(p.thinks for p in prompts):
             marker = self.loaded.tokenizer.markers.think_open
-            for name in ("think_model", "reasoning_budget"):
+            for name in ("think_model", "thinking_token_budget", "reasoning_budget"):
                 if getattr(req, name) is not None:
                     raise P.OpenAIError(
                         400, f"{name}: this prompt has no thinking phase (a completion prompt must end with "
@@ -225,10 +307,12 @@ class ServingState:
                 sampling = SamplingParams(
                     max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed
                 )
+                grammar = compiled.deep_copy() if compiled is not None else None  # each sequence its own state
                 jobs.append(
                     Job(
                         p.ids, model, think if p.thinks else None, cap, max_tokens, sampling, req.stops, req.stream,
                         loop, events=events, index=i * req.n + k, logprobs=req.logprobs_k, echo=echo,
+                        grammar=grammar, constraint=constraint,
                     )
                 )  # fmt: skip
         return jobs, prompts
@@ -261,4 +345,26 @@ class ServingState:
             "star_elastic_engine_up": ("1 while the decode thread runs.", 1.0 if self.engine.alive else 0.0),
             "star_elastic_resident_memory_bytes": ("Resident set size of the replica process.", mem["rss_bytes"]),
             "star_elastic_weight_bytes": ("Bytes of the one weight copy every budget views.", mem["weight_bytes"]),
+            **self.grammar_gauges(stats),
         }  # fmt: skip
+
+    def grammar_stats(self) -> dict[str, Any]:
+        """Grammar compiles (count, seconds, cache hits) and masks applied in the sampler, for ``/stats``."""
+        stats = self.engine.snapshot_stats()
+        compiled = self.grammars.stats() if self.grammars is not None else {}
+        masked = {
+            "masked_tokens": stats.get("grammar_masked_tokens", 0),
+            "mask_s_total": stats.get("grammar_mask_s", 0),
+        }
+        return {"available": self.grammars is not None, "error": self.grammar_error, **compiled, **masked}
+
+    def grammar_gauges(self, stats: dict[str, Any]) -> dict[str, tuple[str, float]]:
+        g = self.grammars.stats() if self.grammars is not None else {}
+        series = [
+            ("compiles_total", "Grammars compiled (one per distinct schema).", g.get("compiles", 0)),
+            ("compile_seconds_total", "Seconds spent compiling grammars.", g.get("compile_s_total", 0.0)),
+            ("cache_hits_total", "Requests whose grammar was already compiled.", g.get("cache_hits", 0)),
+            ("masked_tokens_total", "Tokens sampled under a grammar mask.", stats.get("grammar_masked_tokens", 0)),
+            ("mask_seconds_total", "Seconds computing and applying grammar masks.", stats.get("grammar_mask_s", 0.0)),
+        ]
+        return {f"star_elastic_grammar_{name}": (text, value) for name, text, value in series}

@@ -20,10 +20,14 @@ INPUTS = [
     "temperature",
     "top_p",
     "seed",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 ]
 OUTPUTS = [
     "text", "reasoning", "budget", "think_model", "finish_reason", "prompt_tokens", "reasoning_tokens",
-    "completion_tokens",
+    "completion_tokens", "tool_calls",
 ]  # fmt: skip
 QUESTION = [{"role": "user", "content": "7+5*3-2"}]
 
@@ -209,6 +213,41 @@ def test_bad_requests_name_the_field(champion):
         champion.predict([{"prompt": "Q:1", "max_tokens": 0}])
     with pytest.raises(MlflowException, match="bogus"):
         champion.predict([{"prompt": "Q:1", "bogus": 1}])
+
+
+def test_structured_outputs_and_tool_calls(champion):
+    """The server's arguments: a JSON schema the random model's answer follows, a forced tool call whose
+    arguments validate, and a two-turn exchange with the call and its result in the messages."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"]}  # fmt: skip
+    add = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": add}}]
+    base = {"messages": QUESTION, "budget": "small", "max_tokens": 96, "reasoning_budget": 4}
+    js, call, free = champion.predict(
+        [
+            {**base, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+            {**base, "tools": tools, "tool_choice": "add", "parallel_tool_calls": False},
+            {**base, "max_tokens": 24},
+        ]
+    )
+    jsonschema.validate(json.loads(js.text), schema)
+    assert js.reasoning == free.reasoning  # the grammar constrains the answer only
+    (c,) = call.tool_calls
+    assert (c.name, call.finish_reason, call.text) == ("add", "stop", "")
+    jsonschema.validate(json.loads(c.arguments), add)
+    turn = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+    messages = [*QUESTION, {"role": "assistant", "tool_calls": [turn]}, {"role": "tool", "tool_call_id": c.id,
+                                                                        "content": "5"}]  # fmt: skip
+    (second,) = champion.predict([{**base, "messages": messages, "tools": tools, "max_tokens": 4}])
+    assert second.prompt_tokens > call.prompt_tokens + len(c.arguments)  # the call and its result are in the prompt
+    with pytest.raises(ValueError, match=r"row 0: tool_choice.function.name: 'mul' is not one of the tools"):
+        champion.predict([{**base, "tools": tools, "tool_choice": "mul"}])
+    with pytest.raises(ValueError, match=r"row 0: response_format.json_schema.schema: cannot be enforced"):
+        champion.predict([{**base, "response_format": {"type": "json_schema", "json_schema": {"schema": {"if": {}}}}}])
 
 
 def test_the_fp8_champion_loads_as_fp8(registered):

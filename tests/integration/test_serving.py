@@ -335,8 +335,8 @@ def _corpus() -> list[tuple[str, dict, int, str]]:
         ("temperature out of range", post({**ok, "temperature": 3.5}), 400, "temperature"),
         ("top_p zero", post({**ok, "top_p": 0}), 400, "top_p"),
         ("too many choices", post({**ok, "n": 1000}), 400, "n"),
-        ("tools", post({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400, "tools"),
-        ("json mode", post({**ok, "response_format": {"type": "json_object"}}), 400, "response_format"),
+        ("tool choice without tools", post({**ok, "tool_choice": "required"}), 400, "tool_choice"),
+        ("schema missing", post({**ok, "response_format": {"type": "json_schema"}}), 400, "response_format"),
         ("top_logprobs too large", post({**ok, "logprobs": True, "top_logprobs": 50}), 400, "top_logprobs"),
         ("too many stops", post({**ok, "stop": ["a", "b", "c", "d", "e"]}), 400, "stop"),
         (

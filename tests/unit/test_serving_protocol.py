@@ -53,10 +53,29 @@ def test_valid_chat_request_and_defaults():
         (chat(presence_penalty=0.5), "presence_penalty", "penalties are not supported"),
         (chat(frequency_penalty=-1.0), "frequency_penalty", "penalties are not supported"),
         (chat(logit_bias={"5": 10.0}), "logit_bias", "not supported"),
-        (chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tool calling is not supported"),
-        (chat(tool_choice="required"), "tool_choice", "tool calling"),
-        (chat(response_format={"type": "json_object"}), "response_format", "only {'type': 'text'}"),
-        (chat(reasoning_effort="high"), "reasoning_effort", "reasoning_budget"),
+        (chat(tools=[{"type": "function", "function": {"name": "get weather"}}]), "tools.0.function.name", "pattern"),
+        (chat(tools=[{"type": "function"}]), "tools.0.function", "Field required"),
+        (chat(tool_choice="sometimes"), "tool_choice", "Input should be"),
+        (chat(tool_choice={"type": "function", "function": {}}), "tool_choice.function.name", "Field required"),
+        (chat(response_format={"type": "json_schema"}), "response_format", "json_schema is required"),
+        (chat(response_format={"type": "yaml"}), "response_format.type", "Input should be"),
+        (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
+        (chat(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one"),
+        (chat(reasoning_effort="extreme"), "reasoning_effort", "Input should be"),
+        (chat(reasoning_budget=3, thinking_token_budget=4), None, "disagree"),
+        (chat(functions=[{"name": "f"}]), "functions", "send tools and tool_choice"),
+        (
+            chat(
+                messages=[
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+                    }
+                ]
+            ),
+            "messages.0.tool_calls.0.function.arguments",
+            "must be a JSON object",
+        ),  # fmt: skip
         (chat(store=True), "store", "not supported"),
         (chat(top_logprobs=2), "top_logprobs", "needs logprobs: true"),
         (chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
@@ -102,6 +121,11 @@ def test_malformed_chat_requests_name_the_problem(body, param, fragment):
         {"presence_penalty": 0, "frequency_penalty": 0.0},
         {"logit_bias": {}},
         {"response_format": {"type": "text"}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": True}}},
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {"reasoning_effort": "high", "include_reasoning": False, "chat_template_kwargs": {"enable_thinking": True}},
+        {"thinking_token_budget": 5, "reasoning_budget": 5},
         {"service_tier": "auto"},
         {"store": False},
         {"metadata": {"team": "a"}},
@@ -209,7 +233,13 @@ def test_chat_messages_refuse_control_text_in_reasoning_and_name():
     named = [{"role": "user", "content": "q", "name": "<think>"}]
     with pytest.raises(PromptError, match=r"messages\.0\.name: must not contain .*\['<think>'\]"):
         check_messages(named, _forbidden)
-    check_messages([{"role": "user", "content": "q", "tool_call_id": "<eos>"}], _forbidden)  # not rendered as text
+    # tool-call ids and calls reach templates that render them (tool exchanges): checked like text
+    with pytest.raises(PromptError, match=r"messages\.0\.tool_call_id: must not contain"):
+        check_messages([{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "<eos>"}][::-1], _forbidden)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"city": "a<think>"}}}
+    with pytest.raises(PromptError) as info:
+        check_messages([{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}], _forbidden)
+    assert info.value.param == "messages.1.tool_calls.0.function.arguments.city"
 
 
 def test_prompt_length_limits():
