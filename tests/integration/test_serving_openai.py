@@ -80,7 +80,7 @@ def uniform_checkpoint(tiny_nested_checkpoint, tmp_path_factory):
 
     def zero_norm(folder: Path) -> None:
         tensors = load_file(str(folder / "model.safetensors"))
-        tensors["model.norm_f.weight"].zero_()
+        tensors["backbone.norm_f.weight"].zero_()
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
     return _variant(tiny_nested_checkpoint, tmp_path_factory.mktemp("uniform") / "ckpt", zero_norm)

@@ -47,13 +47,13 @@ def _rewrite(folder: Path, change) -> None:
 
 
 def _drop_d(tensors) -> None:
-    del tensors["model.layers.0.mixer.D"]
+    del tensors["backbone.layers.0.mixer.D"]
 
 
 def _reshape_d(tensors) -> None:
     import torch
 
-    tensors["model.layers.0.mixer.D"] = torch.zeros(3, 3)
+    tensors["backbone.layers.0.mixer.D"] = torch.zeros(3, 3)
 
 
 def _remanifest(edit):
