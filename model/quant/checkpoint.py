@@ -48,6 +48,7 @@ from .modelopt import (
     hf_quant_config,
     kv_scales,
     quantization_config_of,
+    run_under_hooks,
     weight_format,
 )
 from .nvfp4 import NVFP4_BLOCK_SIZE
@@ -154,16 +155,7 @@ def calibrate_input_amax(
         if isinstance(moe.experts, Experts) and preset.should_quantize(f"{name}.experts.up_proj"):
             moe_names.append((f"{name}.experts", moe.experts.num_experts))
             handles.append(moe.experts.register_forward_pre_hook(experts_hook(f"{name}.experts"), with_kwargs=True))
-    was_training = model.training
-    model.eval()
-    try:
-        for ids in batches:
-            for mask in masks:
-                model(ids.to(model.device), mask=mask)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
+    run_under_hooks(model, batches, masks, handles)
     amax = {name: obs.amax for name, obs in observers.items()}
     for prefix, n_experts in moe_names:  # unrouted experts: the layer's largest observed amax
         for proj in ("up_proj", "down_proj"):

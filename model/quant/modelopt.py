@@ -148,6 +148,14 @@ def calibrate_kv_amax(model: nn.Module, batches: Iterable[Tensor], masks: Sequen
             observers.setdefault(key, AmaxObserver()).update(out)
 
         handles.append(module.register_forward_hook(hook))
+    run_under_hooks(model, batches, masks, handles)
+    return {k: obs.amax.to(torch.float32).cpu() for k, obs in observers.items()}
+
+
+@torch.no_grad()
+def run_under_hooks(model: nn.Module, batches: Iterable[Tensor], masks: Sequence[Any], handles: list[Any]) -> None:
+    """Forward every (batch, mask) pair in eval mode, then remove ``handles`` (the observers' hooks) and restore
+    the model's training flag, whatever happens. ``batches``: (rows, seq) token ids."""
     was_training = model.training
     model.eval()
     try:
@@ -158,7 +166,6 @@ def calibrate_kv_amax(model: nn.Module, batches: Iterable[Tensor], masks: Sequen
         for h in handles:
             h.remove()
         model.train(was_training)
-    return {k: obs.amax.to(torch.float32).cpu() for k, obs in observers.items()}
 
 
 def kv_scales(amax: dict[str, Tensor]) -> dict[str, Tensor]:
