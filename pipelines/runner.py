@@ -8,9 +8,9 @@ changed (``force_from`` re-runs a stage and everything after it). The marker is
 written last and atomically: a half-written stage is never taken as done, and a
 failing stage leaves the earlier stages' folders untouched.
 
-A stage that starts records its key in ``_attempt.json``. A stage that can resume (its spec names
-the sub-folders holding its resumable state, e.g. the distillation's Ray Train checkpoints) and
-finds an unfinished attempt with the same key keeps those sub-folders when it runs again, so a
+A stage that starts records its key in ``_attempt.json`` (removed when it finishes). A stage that
+can resume (its spec names the sub-folders holding its resumable state, e.g. the distillation's Ray
+Train checkpoints) and finds an unfinished attempt with the same key keeps those sub-folders when it runs again, so a
 pipeline killed mid-distillation continues from its last checkpoint; everything else in the folder
 is cleared. A changed key (config or upstream changed) or ``force_from`` starts the stage afresh,
 and the log says why.
@@ -273,6 +273,7 @@ class PipelineRunner:
                 folder,
                 {"key": keys[spec.name], "outputs": outputs, "seconds": seconds, "finished_at": time.time()},
             )
+            (folder / ATTEMPT).unlink(missing_ok=True)  # finished: the folder holds outputs and its marker only
             log(f"[{i}/{total}] {spec.name}: done in {seconds:.1f}s")
             results.append(StageResult(spec.name, "ran", seconds, outputs))
         return results
