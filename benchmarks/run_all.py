@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench_elastic_step.py",
     "bench_budget_decode.py",
     "bench_quant_decode.py",
+    "bench_peers.py",  # builds llama.cpp once into $STAR_ELASTIC_CACHE/peers; skipped with a reason without CMake
     "bench_serving.py",
     "bench_reap.py",
     "bench_zero_memory.py",
