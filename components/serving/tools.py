@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -80,21 +81,24 @@ def _call(item: Any) -> ParsedCall | None:
     return ParsedCall(item["name"], json.dumps(args, ensure_ascii=False))
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     """How a model writes tool calls: blocks between ``open`` and ``close`` (subclasses say what is inside)."""
 
     name: ClassVar[str]
     open: ClassVar[str]
     close: ClassVar[str]
 
+    @abstractmethod
     def grammar(self, tools: Sequence[ToolSpec], parallel: bool, style: JsonStyle) -> str:
         """A Lark grammar of the answer: one call of ``tools`` (more than one when ``parallel``)."""
         raise NotImplementedError
 
+    @abstractmethod
     def decode_block(self, body: str) -> list[ParsedCall] | None:
         """The calls of one block's inner text, or None when it does not parse."""
         raise NotImplementedError
 
+    @abstractmethod
     def render(self, calls: Sequence[tuple[str, Any]]) -> str:
         """``(name, arguments object)`` calls as the model writes them."""
         raise NotImplementedError
