@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
+from model.decode.kernels import PREPARED, prepared_linear
 from model.decode.split_linear import ColSplitLinear, RowSplitLinear
 
 _EPS: dict[tuple[float, torch.dtype, torch.device], Tensor] = {}
@@ -36,16 +37,19 @@ def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim: x (..., d) -> (..., d), x's dtype.
 
-    Float32: ``mean(x^2) + eps`` is ``n * n / d + eps`` with n the Euclidean norm over the last dim, one
+    ``mean(x^2) + eps`` is ``n * n / d + eps`` with n the Euclidean norm over the last dim, one
     ``vector_norm`` and one ``addcmul`` onto a cached eps, then rsqrt and two products (fewer dispatches
-    than ``F.rms_norm``, a composite of about twenty operators on CPU). Other dtypes take ``F.rms_norm``,
-    which keeps the statistics in float32 as :class:`~model.norms.RMSNorm` does.
+    than ``F.rms_norm``, a composite of about twenty operators on CPU). Other dtypes than float32 are
+    normalised in float32 and cast back, as :class:`~model.norms.RMSNorm` does.
     """
-    if x.dtype != torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    dtype = x.dtype
+    if dtype != torch.float32:
+        x = x.float()
+        weight = None if weight is None else weight.float()
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # (rows, 1)
     r = torch.addcmul(_eps_tensor(eps, x), n, n, value=1.0 / x.shape[-1]).rsqrt_()
-    return x * r if weight is None else torch.mul(x, weight).mul_(r)
+    out = x * r if weight is None else torch.mul(x, weight).mul_(r)
+    return cast(out, dtype)
 
 
 def hooked(module: nn.Module) -> bool:
@@ -68,6 +72,10 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
     kind = type(module)
     fuse = residual is not None and residual.dtype == x.dtype
     if kind is nn.Linear and not hooked(module):
+        if PREPARED in module.__dict__:  # a copy for the kernel measured fastest (model.decode.kernels)
+            out = prepared_linear(module, x, residual)
+            if out is not None:
+                return out
         params = module._parameters
         weight, bias = params["weight"], params["bias"]
         if fuse and bias is None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache import HybridCache
+from model.decode.kernels import prepare_decode_linears
 from model.decode.layers import STEPS, ReferenceStep
 from model.decode.ops import cast, linear, rms_norm
 from model.hybrid import CausalLMOutput, HybridLM
@@ -42,6 +43,7 @@ class DecodePlan:
         self.lm_head = model.lm_head
         self.float_residual = model.config.residual_in_fp32
         self.steps = [STEPS.get(block.kind, ReferenceStep)(block) for block in backbone.layers]
+        self.kernels = prepare_decode_linears(model)  # each projection on its measured fastest kernel
 
     def stale(self) -> bool:
         """Whether a weight changed in place since the plan was built, so that tensors it derived from the

@@ -1,0 +1,156 @@
+"""Measured decode kernels (:mod:`model.decode.kernels`): every candidate against ``F.linear``, the plan with
+every kind of copy against the reference forward, stale copies never read, the memory bound, the cache file.
+
+Which kernel wins is measured and differs by machine, so the tests that need a given kernel fill a table
+with the choice they need (:class:`KernelTable` entries) instead of measuring.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import HybridConfig
+from model.decode import DecodePlan
+from model.decode.kernels import (
+    CANDIDATES,
+    PREPARED,
+    KernelTable,
+    machine_key,
+    make_copy,
+    prepare_decode_linears,
+    projections,
+    release_decode_linears,
+    run_copy,
+)
+from model.decode.ops import linear
+from model.hybrid import HybridLM
+from tests.conftest import TINY
+
+
+class ForcedTable(KernelTable):
+    """Every shape's measured times say ``kind`` is fastest (2x the weight's speed)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(None)
+        self.kind = kind
+
+    def times(self, weight: torch.Tensor) -> dict[str, float]:
+        return {k: (1.0 if k == self.kind else 2.0) for k in CANDIDATES}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["transposed", "onednn"])
+@pytest.mark.parametrize("source_order", ["out_in", "in_out"])
+def test_every_candidate_computes_the_linear(dtype, kind, source_order):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 40, generator=g).to(dtype)
+    if source_order == "in_out":
+        w = w.t().contiguous().t()
+    bias = torch.randn(48, generator=g).to(dtype)
+    x = torch.randn(3, 40, generator=g).to(dtype)
+    res32 = torch.randn(3, 48, generator=g)
+    copy = make_copy(kind, w)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+
+    def close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+        return bool(((out.float() - ref).abs() <= rtol * (1 + ref.abs())).all())
+
+    mm = F.linear(x.float(), w.float())
+    assert close(run_copy(kind, x, copy, bias, None), F.linear(x.float(), w.float(), bias.float()))
+    assert close(run_copy(kind, x, copy, None, res32), mm + res32)
+    res = res32.to(dtype)
+    assert close(run_copy(kind, x, copy, None, res), mm + res.float())
+    if kind == "transposed":
+        assert copy.stride(-1) != w.stride(-1)  # the other memory order
+        assert torch.equal(copy, w)
+
+
+def _model(dtype: torch.dtype = torch.float32) -> HybridLM:
+    return HybridLM(HybridConfig(**TINY)).init_weights(0).eval().to(dtype)
+
+
+@torch.no_grad()
+def _decode(m: HybridLM, ids: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    cache = m(ids[:, :4], use_cache=True).cache
+    return torch.cat([plan(ids[:, i : i + 1], cache).logits for i in range(4, ids.shape[1])], 1)
+
+
+@torch.no_grad()
+def _reference(m: HybridLM, ids: torch.Tensor) -> torch.Tensor:
+    cache = m(ids[:, :4], use_cache=True).cache
+    return torch.cat([m(ids[:, i : i + 1], cache=cache, mask=None).logits for i in range(4, ids.shape[1])], 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["transposed", "onednn"])
+def test_plan_with_copies_equals_the_reference(dtype, kind, monkeypatch):
+    m = _model(dtype)
+    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model: None)
+    report = prepare_decode_linears(m, ForcedTable(kind))
+    n = len(projections(m))
+    assert report.kernels == {kind: n} and report.copied_bytes > 0
+    assert all(PREPARED in lin.__dict__ for lin in projections(m))
+    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(1))
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    assert (_decode(m, ids, DecodePlan(m)).float() - _reference(m, ids).float()).abs().max() <= tol
+    assert m.state_dict().keys() == _model(dtype).state_dict().keys()  # the module itself is unchanged
+    assert release_decode_linears(m) == n
+
+
+def test_a_weight_changed_in_place_is_never_read_through_its_stale_copy():
+    m = _model()
+    prepare_decode_linears(m, ForcedTable("onednn"))
+    head = m.lm_head
+    x = torch.randn(1, head.in_features)
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # an in-place update after the copy was made
+        out = linear(head, x)
+    assert torch.allclose(out, F.linear(x, head.weight), atol=1e-5)
+    assert PREPARED not in head.__dict__  # the stale copy was dropped
+    prepare_decode_linears(m, ForcedTable("onednn"))
+    with torch.no_grad():
+        head.weight = nn.Parameter(torch.zeros_like(head.weight))  # replaced
+        assert torch.count_nonzero(linear(head, x)) == 0
+
+
+def test_copies_stay_within_the_memory_bound_largest_saving_first():
+    m = _model()
+    sizes = sorted(lin.weight.numel() * 4 for lin in projections(m))
+    bound = sum(sizes[:3])
+    report = prepare_decode_linears(m, ForcedTable("transposed"), max_copy_bytes=bound)
+    assert 0 < report.copied_bytes <= bound
+    assert report.skipped_for_memory > 0
+    assert sum(report.kernels.values()) == len(projections(m))
+    release_decode_linears(m)
+    off = prepare_decode_linears(m, ForcedTable("transposed"), max_copy_bytes=0)
+    assert off.copied_bytes == 0 and not any(PREPARED in lin.__dict__ for lin in projections(m))
+
+
+def test_no_copy_when_the_weight_itself_is_fastest_or_the_gain_is_noise():
+    m = _model()
+    assert prepare_decode_linears(m, ForcedTable("weight")).copied_bytes == 0
+
+    class Close(KernelTable):
+        def times(self, weight):
+            return {"weight": 1.0, "transposed": 0.95, "onednn": 0.97}
+
+    assert prepare_decode_linears(m, Close(None)).copied_bytes == 0
+
+
+def test_measurements_are_kept_per_machine_in_the_cache_file(tmp_path):
+    path = tmp_path / "kernels.json"
+    table = KernelTable(path)
+    w = torch.randn(24, 16)
+    first = table.times(w)
+    assert set(first) == set(CANDIDATES) and all(t > 0 for t in first.values())
+    saved = json.loads(path.read_text())
+    assert list(saved) == [machine_key()] and len(saved[machine_key()]) == 1
+    again = KernelTable(path)  # a new process: read, not measured again
+    assert again.times(w) == first
+    assert again.times(w.t().contiguous().t()) is not None  # another memory order is another entry
+    assert len(json.loads(path.read_text())[machine_key()]) == 2
