@@ -26,6 +26,8 @@ tokens/s is decode speed. Reported:
 * ``no dt floor`` (float32): the same gap with our Mamba ``dt`` floor removed for the check. transformers'
   NemotronH, which this project matches, clamps ``dt`` from below at ``time_step_min``; llama.cpp does not
   (:func:`logit_gaps`). The gap left is the engines' rounding;
+* format ``f32-dt``: the float32 budget with ``time_step_min`` lowered to 1e-9, so that the dt floor never
+  binds and both engines compute the same function (same weights, same GGUF);
 * ``distinct tokens`` among ours (the output is not one token repeated); both tokens/s (median over rounds)
   and llama.cpp / ours taken round by round (median and interquartile range).
 
@@ -108,8 +110,13 @@ QUICK_PARENT = dict(
     ssm_state_size=32, n_routed_experts=4, moe_intermediate_size=64, moe_shared_expert_intermediate_size=128,
 )  # fmt: skip
 QUICK_BUDGETS = {"full": {}, "small": dict(hidden=192, mamba_heads=2, shared_ffn=64, experts=3)}
-FORMATS = ("f32", "bf16", "nvfp4")
-KV_TYPE = {"f32": "f32", "bf16": "bf16", "nvfp4": "f32"}
+FLOOR_OFF = "f32-dt"
+"""The float32 budget with ``time_step_min`` lowered to :data:`TINY_DT_FLOOR`, so that transformers' dt floor,
+which this project applies and llama.cpp does not, never changes a step: the same weights, llama.cpp's
+arithmetic. Its GGUF is the f32 one's (llama.cpp's converter does not read ``time_step_min``)."""
+TINY_DT_FLOOR = 1e-9
+FORMATS = ("f32", "bf16", "nvfp4", FLOOR_OFF)
+KV_TYPE = {"f32": "f32", "bf16": "bf16", "nvfp4": "f32", FLOOR_OFF: "f32"}
 """llama.cpp's KV-cache type per format: the dtype our engine computes and caches in."""
 
 
@@ -191,12 +198,23 @@ def budget_checkpoints(nested: Path, budgets: list[str], formats: list[str], wor
             folder = work / "checkpoints" / f"{budget}-{fmt}"
             if fmt == "nvfp4":
                 out[budget, fmt] = extract_quantized_budget(work / "nested-nvfp4", budget, folder)
+            elif fmt == FLOOR_OFF:
+                f32 = extract_budget(nested, budget, work / "checkpoints" / f"{budget}-f32-source", torch.float32)
+                out[budget, fmt] = floor_off_copy(f32, folder)
             else:
                 dtype = torch.float32 if fmt == "f32" else torch.bfloat16
                 out[budget, fmt] = extract_budget(nested, budget, folder, dtype=dtype)
             print(f"  extracted {len(out)}/{len(budgets) * len(formats)}: {budget} {fmt} "
                   f"({time.perf_counter() - start:.0f}s)", flush=True)  # fmt: skip
     return out
+
+
+def floor_off_copy(folder: Path, out: Path) -> Path:
+    """The checkpoint in ``folder`` with ``time_step_min`` set to :data:`TINY_DT_FLOOR` (:data:`FLOOR_OFF`)."""
+    source = HybridLM.from_pretrained(folder)
+    model = HybridLM(source.config.model_copy(update={"time_step_min": TINY_DT_FLOOR}))
+    model.load_state_dict(source.state_dict())
+    return model.save_pretrained(out, extra_files=tokenizer_files(folder))
 
 
 # ---------------------------------------------------------------------- our engine
@@ -305,7 +323,7 @@ def logit_gaps(model: HybridLM, prompt: list[int], tokens: list[int], theirs: to
         return float((theirs - ours).abs().max() / ours.std())
 
     out = {"logit_gap": gap(), "logit_gap_no_dt_floor": None}
-    if fmt == "f32":
+    if fmt in ("f32", FLOOR_OFF):
         floors = [m.dt_min for m in mixers]
         try:
             for m in mixers:
@@ -450,7 +468,9 @@ def results_text(args: argparse.Namespace, out: dict[str, Any], command: str, in
         "format's compute dtype (f32 / bf16), flash attention off. `forced agree`: llama.cpp fed our tokens, how "
         "often its greedy choice is ours; `max logit gap`: the largest |llama.cpp - ours| logit there over the std "
         "of ours; `no dt floor`: the same with our Mamba dt floor (transformers' clamp of dt at time_step_min, "
-        "which llama.cpp does not apply) removed for the check.\n\n"
+        "which llama.cpp does not apply) removed for the check. `f32-dt`: the float32 budget with its "
+        f"`time_step_min` lowered to {TINY_DT_FLOOR:g}, so that the floor never binds (same weights and GGUF as "
+        "f32): where both engines compute the same function.\n\n"
         f"{table(out['rows'], args.new_tokens)}\n"
     )
 

@@ -7,9 +7,11 @@ experts as strided 3-D views (:class:`StridedExperts` when (E, F) no longer flat
 parent re-lays its matrices out inputs-major (:func:`store_inputs_major`) so that an input-column prefix is
 a contiguous row block. Small per-channel Mamba tensors (conv taps, and with several groups A_log / D /
 dt_bias / the norm weight) are copied (:func:`copied_bytes`). A quantized parent, or ``prefer="masked"``,
-gives the parent's own modules under the budget's hard mask instead. A budget model's single-token cached
-steps run its :class:`~model.decode.plan.DecodePlan`. :class:`BudgetRegistry` holds one parent and every
-budget, largest first. Design notes: ``docs/decode.md``.
+gives the parent's own modules under the budget's hard mask instead (every budget at the parent's compute
+cost), unless the registry is given the quantized budgets already sliced to their own size (``sliced``:
+:func:`sliced_quantized_budgets`, each its own slice of the packed codes and block scales). A budget model's
+single-token cached steps run its :class:`~model.decode.plan.DecodePlan`. :class:`BudgetRegistry` holds one
+parent and every budget, largest first. Design notes: ``docs/decode.md``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from model.hybrid import Block, CausalLMOutput, HybridLM
 from model.masks import ModelMask
 from model.moe import Experts, RoutingObserver, expert_loop
 
-Mode = Literal["view", "masked"]
+Mode = Literal["view", "masked", "sliced"]
 
 
 def _gather(t: Tensor, index: Tensor, dim: int = 0) -> Tensor:
@@ -135,8 +137,9 @@ def _view_moe(dst: nn.Module, src: nn.Module, la: LayerArch, h: int, config: Hyb
 
 # ---------------------------------------------------------------------- the budget model
 class BudgetModel(HybridLM):
-    """A :class:`HybridLM` computing one budget: views of the parent (``mode="view"``), or the
-    parent's own modules under the budget's mask (``mode="masked"``). See the module docstring."""
+    """A :class:`HybridLM` computing one budget: views of the parent (``mode="view"``), the parent's own
+    modules under the budget's mask (``mode="masked"``), or a budget's own sliced tensors (``"sliced"``).
+    See the module docstring."""
 
     def __init__(
         self,
@@ -271,6 +274,30 @@ def budget_model(
     return BudgetModel(new_config, backbone, lm_head, "view", kept, None, name).train(False)
 
 
+def _sliced(model: HybridLM, config: HybridConfig, arch: Architecture, order: Sequence[int] | None, name: str):
+    """A standalone budget model (its own tensors) as a :class:`BudgetModel` of mode ``sliced``."""
+    kept = tuple(la.index for la in arch.resolve(config, None, order).kept)
+    return BudgetModel(model.config, model.model, model.lm_head, "sliced", kept, None, name).train(False)
+
+
+def smaller_budgets(config: HybridConfig, archs: Mapping[str, Architecture], order: Sequence[int] | None) -> list[str]:
+    """The budgets with fewer active parameters than the parent (the others are the parent itself)."""
+    full = count_params(config).active
+    return [n for n, a in archs.items() if count_params(config, a, order).active < full]
+
+
+def sliced_quantized_budgets(
+    folder: str | Path, names: Sequence[str], dtype: torch.dtype | None = None, cache_dequantized: bool = False
+) -> dict[str, HybridLM]:
+    """Each named budget of a quantized nested checkpoint at its own size: its slice of the packed codes and
+    block scales (what :func:`~model.quant.nesting.extract_quantized_budget` writes), in memory. Resident
+    quantized bytes grow by the budgets' own (sum of their sizes over the parent's), in exchange for a step
+    that reads and dequantizes only the budget's weights."""
+    from model.quant.nesting import load_quantized_budget
+
+    return {n: load_quantized_budget(folder, n, dtype, cache_dequantized) for n in names}
+
+
 # ---------------------------------------------------------------------- memory accounting
 def _storages(module: nn.Module) -> dict[int, int]:
     """Storage data pointer -> storage bytes, over parameters and buffers."""
@@ -300,7 +327,10 @@ class BudgetRegistry:
         budgets: Mapping[str, Architecture],
         depth_order: Sequence[int] | None = None,
         prefer: Mode = "view",
+        sliced: Mapping[str, HybridLM] | None = None,
     ) -> None:
+        """``sliced``: budgets already cut to their own size (quantized slices of the parent), served as they
+        are instead of as views or masks of ``full``."""
         if not budgets:
             raise ValueError("a budget registry needs at least one budget")
         self.full = full.eval()
@@ -315,7 +345,13 @@ class BudgetRegistry:
         sized.sort(key=lambda t: -t[2])  # stable: equal sizes keep the given order
         self.architectures = {n: a for n, a, _ in sized}
         self.active_params = {n: p for n, _, p in sized}
-        self._models = {n: budget_model(full, a, self.depth_order, prefer=prefer, name=n) for n, a, _ in sized}
+        own = dict(sliced or {})
+        self._models = {
+            n: _sliced(own[n], full.config, a, self.depth_order, n)
+            if n in own
+            else budget_model(full, a, self.depth_order, prefer=prefer, name=n)
+            for n, a, _ in sized
+        }
 
     @property
     def names(self) -> list[str]:
@@ -344,17 +380,23 @@ class BudgetRegistry:
         path: str | Path,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        quantized_budgets: Literal["sliced", "masked"] = "sliced",
+        cache_dequantized: bool = False,
     ) -> BudgetRegistry:
-        """Load a checkpoint folder once; budgets from its ``elastic`` section, or one budget ``"full"``."""
+        """Load a checkpoint folder once; budgets from its ``elastic`` section, or one budget ``"full"``.
+
+        A quantized (FP8 / NVFP4) nested checkpoint serves its smaller budgets ``sliced`` (each its own slice
+        of the quantized weights, computing at its own size) or ``masked`` (the one quantized parent under
+        each budget's mask, at the parent's compute cost and no extra memory)."""
         from model.elastic.export import read_elastic
 
         folder = Path(path)
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        if raw.get("quantization_config"):
-            # quantized weights: budgets fall back to masks over the one quantized weight set
+        quantized = bool((raw.get("quantization_config") or {}).get("quant_algo"))
+        if quantized:
             from model.quant import load_quantized_model
 
-            full = load_quantized_model(folder, dtype=dtype)
+            full = load_quantized_model(folder, dtype=dtype, cache_dequantized=cache_dequantized)
         else:
             full = HybridLM.from_pretrained(folder, dtype=dtype)
         if device is not None:
@@ -362,4 +404,10 @@ class BudgetRegistry:
         if "elastic" not in raw:
             return cls(full, {"full": Architecture()})
         info = read_elastic(folder)
-        return cls(full, info.architectures, info.depth_order)
+        sliced = None
+        if quantized and quantized_budgets == "sliced":
+            smaller = smaller_budgets(full.config, info.architectures, info.depth_order)
+            sliced = sliced_quantized_budgets(folder, smaller, dtype, cache_dequantized)
+            if device is not None:
+                sliced = {n: m.to(device) for n, m in sliced.items()}
+        return cls(full, info.architectures, info.depth_order, sliced=sliced)

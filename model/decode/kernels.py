@@ -144,21 +144,35 @@ def _median_time(fn: Callable[[], object], min_s: float = 0.004, rounds: int = 5
     return statistics.median(times)
 
 
+COLD_BYTES = 64 << 20
+"""A measurement cycles through distinct weights of at least this many bytes in all, so that, as in a decode
+step (which reads every weight of the model once), the weights come from memory rather than from cache."""
+
+
 def measure(out: int, inn: int, dtype: torch.dtype, device: torch.device, source: str) -> dict[str, float]:
-    """Microseconds per batch-1 call of each candidate for a weight (out, in) stored in ``source`` order."""
-    w = torch.randn(out, inn, device=device).to(dtype)
-    if source == "in_out":
-        w = w.t().contiguous().t()
+    """Microseconds per batch-1 call of each candidate for a weight (out, in) stored in ``source`` order,
+    cycling through enough distinct weights to leave the caches (:data:`COLD_BYTES`)."""
+    count = max(1, min(256, -(-COLD_BYTES // (out * inn * torch.finfo(dtype).bits // 8))))
+    weights = []
+    for _ in range(count):
+        w = torch.randn(out, inn, device=device).to(dtype)
+        weights.append(w.t().contiguous().t() if source == "in_out" else w)
     x = torch.randn(1, inn, device=device).to(dtype)
     kinds = [k for k in CANDIDATES if k != "onednn" or _mkldnn_ok(device, dtype)]
     result = {}
     with torch.inference_mode():
         for kind in kinds:
-            if kind == "weight":
-                result[kind] = _median_time(lambda: F.linear(x, w)) * 1e6
-            else:
-                copy = make_copy(kind, w)
-                result[kind] = _median_time(lambda copy=copy, kind=kind: run_copy(kind, x, copy, None, None)) * 1e6
+            copies = weights if kind == "weight" else [make_copy(kind, w) for w in weights]
+
+            def calls(copies: list[Tensor] = copies, kind: str = kind) -> None:
+                for c in copies:
+                    if kind == "weight":
+                        F.linear(x, c)
+                    else:
+                        run_copy(kind, x, c, None, None)
+
+            result[kind] = _median_time(calls) / count * 1e6
+            del copies
     return result
 
 
@@ -185,7 +199,10 @@ class KernelTable:
             data = json.loads(self.path.read_text()) if self.path.exists() else {}
         except (OSError, ValueError):
             data = {}
-        data[machine_key()] = self.entries
+        section = data.get(machine_key(), {})
+        section.update(self.entries)  # another process's measurements are kept beside ours
+        self.entries.update(section)
+        data[machine_key()] = section
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))

@@ -26,6 +26,7 @@ from model.config import HybridConfig
 from model.elastic.arch import Architecture, ResolvedArch
 from model.elastic.slicing import extract_config, grouped_heads, head_channels, index_runs
 from model.hybrid import HybridLM
+from model.layout import DEFAULT_MAX_SHARD_SIZE
 
 from .checkpoint import _read_quant_config, build_quantized_model, read_quantized_tensors
 from .experts import DEFAULT_CACHE_DEQUANTIZED
@@ -362,8 +363,11 @@ def _renumber_ignore(ignore: Sequence[str], res: ResolvedArch) -> list[str]:
     return out
 
 
-def extract_quantized_budget(quant_dir: str | Path, budget_name: str, out_dir: str | Path) -> Path:
-    """Write ``budget_name`` of a quantized nested checkpoint as a standalone quantized checkpoint.
+def extract_quantized_budget(
+    quant_dir: str | Path, budget_name: str, out_dir: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> Path:
+    """Write ``budget_name`` of a quantized nested checkpoint as a standalone quantized checkpoint (sharded
+    with an index above ``max_shard_size``, as ``save_pretrained`` shards).
 
     The result has the budget's plain ``nemotron_h`` config (no ``elastic`` section), the same
     ``quantization_config`` (module names renumbered when depth drops layers), the tokenizer files,
@@ -389,6 +393,7 @@ def extract_quantized_budget(quant_dir: str | Path, budget_name: str, out_dir: s
         extra_config={"quantization_config": quantization_config_of(hf)},
         extra_files=tokenizer_files(src),
         extra_json={HF_QUANT_CONFIG: hf},
+        max_shard_size=max_shard_size,
     )
 
 

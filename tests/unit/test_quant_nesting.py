@@ -148,3 +148,30 @@ def test_alignment_check_names_axis_and_width():
     check_nvfp4_alignment(config, attn, None, QUANT_PRESETS["default"])  # attention is not quantized
     with pytest.raises(ValueError, match="attn_heads=2"):
         check_nvfp4_alignment(config, attn, None, QUANT_PRESETS["all"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_registry_serves_quantized_budgets_at_their_own_size(quantized, fmt):
+    """``sliced`` budgets compute what the masked quantized parent computes, from their own smaller tensors,
+    through the decode path serving runs (prefill, then cached single-token steps)."""
+    from model.decode.budget_view import BudgetRegistry
+    from model.generate import SamplingParams, generate
+
+    folder = quantized[fmt, "default"]
+    sliced = BudgetRegistry.from_checkpoint(folder, quantized_budgets="sliced")
+    masked = BudgetRegistry.from_checkpoint(folder, quantized_budgets="masked")
+    assert sliced.names == masked.names
+    parent_bytes = sum(t.numel() * t.element_size() for t in sliced.full.state_dict().values())
+    prompts = [input_ids()[0, :6].tolist(), input_ids()[1, :9].tolist()]
+    for name in BUDGETS:
+        a, b = sliced.get(name), masked.get(name)
+        assert (a.mode, b.mode) == ("sliced", "masked")
+        own = sum(t.numel() * t.element_size() for t in a.state_dict().values())
+        assert own < parent_bytes  # its own slice, not the parent
+        ids = input_ids()
+        with torch.no_grad():
+            torch.testing.assert_close(a(ids).logits, b(ids).logits, rtol=1e-5, atol=1e-5)
+        params = SamplingParams(max_new_tokens=6)
+        assert generate(a, prompts, params) == generate(b, prompts, params)
+    first = sliced.names[0]
+    assert sliced.get(first).mode == "masked"  # the parent's own size: the parent itself
