@@ -255,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="print the demo decode step's top operators")
     p.add_argument("--gemv", action="store_true", help="also time cold GEMVs by size, strided vs contiguous")
     p.add_argument("--json", type=str, default=None)
+    p.add_argument(
+        "--family",
+        action="store_true",
+        help="instead: bench_peers' ~115M family, dense / FP8 / NVFP4, at --batches (family_decode.py)",
+    )
+    p.add_argument("--family-formats", default="f32,fp8,nvfp4", help="with --family: comma-separated formats")
+    p.add_argument("--batches", default="1,16", help="with --family: comma-separated batch sizes")
     args = p.parse_args(argv)
     set_threads(args.threads)
     torch.manual_seed(0)
@@ -263,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; bandwidth read {bw['read_gbs']:.1f} GB/s "
           f"(sum {bw['read_sum_gbs']:.1f}, GEMV {bw['read_gemv_gbs']:.1f}), copy {bw['copy_gbs']:.1f} GB/s "
           f"({args.threads} threads)")  # fmt: skip
+    if args.family:
+        return family_main(args, load, bw)
     rows = bench_model("demo", DEMO, DEMO_BUDGETS, bw["read_gbs"], args)
     if not args.skip_large:
         rows += bench_model("large", LARGE, LARGE_BUDGETS, bw["read_gbs"], args)
@@ -307,6 +316,26 @@ def main(argv: list[str] | None = None) -> int:
                               "bandwidth_end": bw_end, "rows": rows, "lm_head_layouts": heads,
                               "cold_gemv": gemv,
                               "profile": prof})  # fmt: skip
+    return 0
+
+
+def family_main(args: argparse.Namespace, load: tuple[float, float, float], bw: dict[str, float]) -> int:
+    """``--family``: every budget of one nested family, dense and quantized, at several batch sizes."""
+    import tempfile
+
+    from benchmarks.family_decode import family_table, run_family
+
+    args.family_formats = [f.strip() for f in args.family_formats.split(",") if f.strip()]
+    args.batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory(prefix="family-decode-") as tmp:
+        rows = run_family(args, Path(tmp))
+    headers, body = family_table(rows)
+    print(format_table(headers, body))
+    bw_end = bandwidth(args.threads)
+    print(f"bandwidth at the end: read {bw_end['read_gbs']:.1f} GB/s; load average {os.getloadavg()[0]:.2f}")
+    if args.json:
+        save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "bandwidth": bw,
+                              "bandwidth_end": bw_end, "family_rows": rows})  # fmt: skip
     return 0
 
 

@@ -54,6 +54,7 @@ LARGE_BUDGETS = {
 # ---------------------------------------------------------------------- variants (worker side)
 def _patch(name: str) -> None:
     """Switch one piece of this checkout's decode machinery off (before any model is built)."""
+    import torch
     import torch.nn.functional as F
 
     from model.decode import budget_view, layers, plan
@@ -75,8 +76,6 @@ def _patch(name: str) -> None:
     elif name == "rows_major":  # the parent left (out, in) row-major: input prefixes are strided
         budget_view.store_inputs_major = lambda full: None
     elif name == "no_derived":  # the Mamba step derives A, dt_bias, D and the conv taps at every step
-        import torch
-
         call = layers.MambaStep.__call__
 
         def per_step(self, x, cache, index):
@@ -89,6 +88,25 @@ def _patch(name: str) -> None:
         layers.MambaStep.__call__ = per_step
     elif name == "moe_rows_reference":  # several rows: the router and Experts as they are (no dense pass)
         layers.MoEStep.dense_rows = layers.MoEStep.rows
+    elif name == "no_kernels":  # every projection through F.linear on its weight (no measured kernel copies)
+        plan.prepare_decode_linears = lambda model: None
+    elif name == "sdpa_attention":  # one query through F.scaled_dot_product_attention's blocked kernel
+
+        def sdpa(q, k, v, mask):
+            b, kv, g, d = q.shape
+            out = F.scaled_dot_product_attention(q.reshape(b, kv * g, 1, d), k, v, attn_mask=mask, enable_gqa=g > 1)
+            return out.view(b, kv, g, d)
+
+        layers.one_query_attention = sdpa
+    elif name == "bf16_fused_norm":  # bfloat16 rows through F.rms_norm (as before the float32 form)
+        from model.decode import ops
+
+        own = ops.rms_norm
+
+        def norm(x, w, eps):
+            return F.rms_norm(x, (x.shape[-1],), w, eps) if x.dtype != torch.float32 else own(x, w, eps)
+
+        layers.rms_norm = plan.rms_norm = norm
     else:
         raise SystemExit(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
 
@@ -104,6 +122,9 @@ VARIANTS = {
     "rows_major": "budget views of a parent left row-major (no store_inputs_major)",
     "no_derived": "Mamba step: A, dt_bias, D and the conv taps derived from the weights at every step",
     "moe_rows_reference": "MoE step, several rows: the router and Experts as they are (no one-pass dense routing)",
+    "no_kernels": "every projection through F.linear on its own weight (no measured transposed / oneDNN copies)",
+    "sdpa_attention": "one query through F.scaled_dot_product_attention instead of three GEMMs and a softmax",
+    "bf16_fused_norm": "bfloat16 rows normalised by F.rms_norm instead of the float32 vector_norm form",
 }
 
 

@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from model.cache import HybridCache, KVCache, MambaCache
+from model.cache import HybridCache, KVCache, MambaCache, concat_caches
 from model.decode.plan import decode_plan
 from model.masks import ModelMask
 
@@ -213,6 +213,92 @@ def ends_with_any(tokens: Sequence[int], sequences: Sequence[Sequence[int]]) -> 
     return any(len(s) <= n and all(tokens[n - len(s) + k] == t for k, t in enumerate(s)) for s in sequences)
 
 
+def stop_reason(
+    tokens: list[int],
+    max_new: int,
+    stop_ids: frozenset[int] | set[int] | tuple[int, ...],
+    stop_sequences: tuple[tuple[int, ...], ...],
+    stop: tuple[str, ...],
+    decode: Decode | None,
+) -> StopReason | None:
+    """Why a row whose last sampled token is ``tokens[-1]`` ends now (see the module docstring), or None
+    while it goes on. The one rule of every decode loop (:func:`decode_rows`, serving's batches)."""
+    if tokens[-1] in stop_ids:
+        return "stop_id"
+    if stop_sequences and ends_with_any(tokens, stop_sequences):
+        return "stop_sequence"
+    if stop and hit_stop_string(tokens, stop, decode):
+        return "stop_string"
+    if len(tokens) >= max_new:
+        return "length"
+    return None
+
+
+class RowGroup:
+    """Rows decoded together on one model: prefilled in one batch, then one token per row per step.
+
+    The batched half of every decode loop (:func:`decode_rows`, and serving's continuous batches, which add
+    per-row sampling, grammars and log-probabilities on top). ``logits``: (rows, vocab), the next-token
+    logits of every row; ``pads[j]``: KV slots before row j's history (non-zero after :meth:`absorb` merged
+    groups of different lengths). Single-token steps run the model's decode plan when there is no mask.
+    """
+
+    @torch.no_grad()
+    def __init__(
+        self, model, starts: Sequence[RowStart], mask: ModelMask | None = None, logits_to_keep: int = 1
+    ) -> None:
+        """Prefill: every row feeds its tokens from its state (rows of one group share both lengths).
+        ``logits_to_keep`` 0 keeps every position's logits in :attr:`prefill_logits` (echoed prompts)."""
+        self.model, self.mask, self.device = model, mask, _device(model)
+        ids = torch.tensor([s.tokens for s in starts], dtype=torch.long, device=self.device)
+        states = [s.state for s in starts]
+        cache = stack_rows(states) if states[0] is not None else None
+        self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
+        self.pads = [0] * len(starts)
+        self.steps = 0
+        res = model(ids, cache=cache, use_cache=True, mask=mask, logits_to_keep=logits_to_keep)
+        self.prefill_logits = res.logits
+        self.cache, self.logits = res.cache, res.logits[:, -1]
+        self.plan = decode_plan(model) if mask is None else None
+
+    def row_length(self, j: int) -> int:
+        """Tokens row ``j`` has consumed."""
+        return self.length - self.pads[j]
+
+    def take(self, j: int, kv: bool = True) -> RowState:
+        """A copy of row ``j``'s state (its Mamba states only, for a snapshot, when not ``kv``)."""
+        return take_row(self.cache, j, self.row_length(j), kv=kv)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (batch indices, in order); padding every kept row has is dropped."""
+        pads = [self.pads[j] for j in rows]
+        trim = min(pads)
+        self.cache = self.cache.select(torch.tensor(rows, device=self.device), trim=trim)
+        self.logits = self.logits.index_select(0, torch.tensor(rows, device=self.logits.device))
+        self.pads = [p - trim for p in pads]
+        self.length -= trim
+
+    def absorb(self, other: RowGroup) -> None:
+        """Append ``other``'s rows (same model, both about to sample): shorter histories left-padded."""
+        length = max(self.length, other.length)
+        self.cache = concat_caches([self.cache, other.cache])
+        self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
+        self.logits = torch.cat([self.logits, other.logits])
+        self.length = length
+
+    @torch.no_grad()
+    def feed(self, tokens: Sequence[int]) -> None:
+        """One single-token step: row j consumes ``tokens[j]``; updates the cache and :attr:`logits`."""
+        tok = torch.tensor(list(tokens), dtype=torch.long, device=self.device).unsqueeze(1)
+        if self.plan is not None:
+            res = self.plan(tok, self.cache)
+        else:
+            res = self.model(tok, cache=self.cache, mask=self.mask)
+        self.cache, self.logits = res.cache, res.logits[:, -1]
+        self.length += 1
+        self.steps += 1
+
+
 @torch.no_grad()
 def _decode_group(
     model,
@@ -229,19 +315,12 @@ def _decode_group(
     out = [RowOutput([], "length") for _ in range(b)]
     if params.max_new_tokens == 0:
         return out
-    device = _device(model)
-    gens = [None if s is None else torch.Generator(device=device).manual_seed(s) for s in seeds]
-    stop_ids = set(params.stop_ids)
-    # a suffix check only on steps whose token can end a stop sequence
-    seq_last = {seq[-1] for seq in params.stop_sequences}
-    ids = torch.tensor([s.tokens for s in starts], dtype=torch.long, device=device)
-    cache = stack_rows([s.state for s in starts]) if starts[0].state is not None else None
-    length = (starts[0].state.length if cache is not None else 0) + ids.shape[1]
-    res = model(ids, cache=cache, use_cache=True, mask=mask, logits_to_keep=1)
-    cache, logits = res.cache, res.logits[:, -1]
-    plan = decode_plan(model) if mask is None else None  # the single-token steps, fast
-    alive = list(range(b))  # original row of each live cache row
+    group = RowGroup(model, starts, mask)
+    gens = [None if s is None else torch.Generator(device=group.device).manual_seed(s) for s in seeds]
+    stop_ids = frozenset(params.stop_ids)
+    alive = list(range(b))  # original row of each live batch row
     while True:
+        logits = group.logits
         if params.temperature == 0:
             nxt = logits.argmax(-1).tolist()
         else:
@@ -250,31 +329,24 @@ def _decode_group(
         for j, (r, tok) in enumerate(zip(alive, nxt, strict=True)):
             row = out[r]
             row.tokens.append(tok)
-            if tok in stop_ids:
-                row.stop_reason = "stop_id"
-            elif tok in seq_last and ends_with_any(row.tokens, params.stop_sequences):
-                row.stop_reason = "stop_sequence"
-            elif params.stop and hit_stop_string(row.tokens, params.stop, decode):
-                row.stop_reason = "stop_string"
-            elif len(row.tokens) < params.max_new_tokens:
+            why = stop_reason(row.tokens, params.max_new_tokens, stop_ids, params.stop_sequences, params.stop, decode)
+            if why is None:
                 keep_rows.append(j)
                 continue
+            row.stop_reason = why
             if keep_state:  # the row's last token is not fed: the state holds everything before it
-                row.state = take_row(cache, j, length)
+                row.state = group.take(j)
         if not keep_rows:
             break
         if len(keep_rows) < len(alive):
-            cache = cache.select(torch.tensor(keep_rows, device=logits.device))
+            group.keep_rows(keep_rows)
             alive = [alive[j] for j in keep_rows]
             nxt = [nxt[j] for j in keep_rows]
-        tok = torch.tensor(nxt, dtype=torch.long, device=device).unsqueeze(1)
-        res = plan(tok, cache) if plan is not None else model(tok, cache=cache, mask=mask)
-        cache, logits = res.cache, res.logits[:, -1]
-        length += 1
+        group.feed(nxt)
         if snapshot_ids:
             for j, (r, tok) in enumerate(zip(alive, nxt, strict=True)):
                 if tok in snapshot_ids:
-                    out[r].snapshot = take_row(cache, j, length, kv=False)
+                    out[r].snapshot = group.take(j, kv=False)
     return out
 
 

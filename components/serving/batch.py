@@ -24,7 +24,6 @@ import torch
 from components.serving.grammar import allowed_tokens
 from components.serving.logprobs import LogprobEntry, prompt_logprobs, token_logprobs
 from model import generate as gen  # the primitives of model.generate's batched loop
-from model.cache import concat_caches
 
 if TYPE_CHECKING:
     from components.serving.engine import Job
@@ -71,8 +70,9 @@ class Row:
         return self.budget, self.start.state.length if self.start.state else 0, len(self.start.tokens)
 
 
-class Group:
-    """Rows decoded together on one budget model (the batched loop of :mod:`model.generate`)."""
+class Group(gen.RowGroup):
+    """Rows decoded together on one budget model: :class:`model.generate.RowGroup` (the batched loop every
+    decode path shares) with per-row sampling, grammars, log-probabilities and cancellation."""
 
     def __init__(
         self,
@@ -82,38 +82,24 @@ class Group:
         decode: Callable[..., str],
         stats: dict[str, Any] | None = None,
     ) -> None:
-        self.model, self.rows, self.snapshot_ids, self.decode = model, rows, snapshot_ids, decode
+        self.rows, self.snapshot_ids, self.decode = rows, snapshot_ids, decode
         self.stats = stats if stats is not None else defaultdict(int)  # grammar mask counters
-        self.device = next(model.parameters()).device
+        device = next(model.parameters()).device
         for r in rows:
-            r.generator(self.device)
-        ids = torch.tensor([r.start.tokens for r in rows], dtype=torch.long, device=self.device)
-        states = [r.start.state for r in rows]
-        cache = gen.stack_rows(states) if states[0] is not None else None
-        self.length = (states[0].length if states[0] is not None else 0) + ids.shape[1]
-        self.pads = [0] * len(rows)  # per row: KV slots before its history (self.length - tokens it consumed)
-        self.steps = 0  # decode steps taken
+            r.generator(device)
         echo = [j for j, r in enumerate(rows) if r.job.echo and r.want_lp is not None and r.start.state is None]
-        res = model(ids, cache=cache, use_cache=True, logits_to_keep=0 if echo else 1)  # echo: every position
-        self.cache, self.logits = res.cache, res.logits[:, -1]
+        super().__init__(model, [r.start for r in rows], logits_to_keep=0 if echo else 1)  # echo: every position
         for j in echo:
             job = rows[j].job
-            job.prompt_lp = prompt_logprobs(res.logits[j], rows[j].start.tokens, rows[j].want_lp)
+            job.prompt_lp = prompt_logprobs(self.prefill_logits[j], rows[j].start.tokens, rows[j].want_lp)
             if job.stream:
                 job.emit("prompt", job.prompt_lp)
-
-    def row_length(self, j: int) -> int:
-        """Tokens row ``j`` has consumed."""
-        return self.length - self.pads[j]
+        self.prefill_logits = None  # every position's logits: not kept past the prompt's log-probabilities
 
     def absorb(self, other: Group) -> None:
         """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded."""
-        length = max(self.length, other.length)
-        self.cache = concat_caches([self.cache, other.cache])
-        self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
+        super().absorb(other)
         self.rows = self.rows + other.rows
-        self.logits = torch.cat([self.logits, other.logits])
-        self.length = length
         other.rows = []
 
     def masked_logits(self) -> dict[int, torch.Tensor]:
@@ -159,33 +145,23 @@ class Group:
                 row.reason = "grammar_error"
             elif row.job.cancelled:
                 row.reason = "cancelled"
-            elif tok in row.stop_ids:
-                row.reason = "stop_id"
-            elif row.stop_seqs and gen.ends_with_any(row.tokens, row.stop_seqs):
-                row.reason = "stop_sequence"
-            elif row.stop and gen.hit_stop_string(row.tokens, row.stop, self.decode):
-                row.reason = "stop_string"
-            elif len(row.tokens) < row.max_new:
-                keep.append(j)
-                continue
+            else:
+                why = gen.stop_reason(row.tokens, row.max_new, row.stop_ids, row.stop_seqs, row.stop, self.decode)
+                if why is None:
+                    keep.append(j)
+                    continue
+                row.reason = why
             if row.keep_state:  # the last token is not fed: the state holds everything before it
-                row.state = gen.take_row(self.cache, j, self.row_length(j))
+                row.state = self.take(j)
             finished.append(row)
         if len(keep) < len(rows):
             self.rows = [rows[j] for j in keep]
             if keep:
-                pads = [self.pads[j] for j in keep]
-                trim = min(pads)  # padding every remaining row has: drop it
-                self.cache = self.cache.select(torch.tensor(keep, device=self.device), trim=trim)
-                self.pads = [p - trim for p in pads]
-                self.length -= trim
+                self.keep_rows(keep)
         if self.rows:
             nxt = [r.tokens[-1] for r in self.rows]
-            res = self.model(torch.tensor(nxt, dtype=torch.long, device=self.device)[:, None], cache=self.cache)
-            self.cache, self.logits = res.cache, res.logits[:, -1]
-            self.length += 1
-            self.steps += 1
+            self.feed(nxt)
             for j, (row, tok) in enumerate(zip(self.rows, nxt, strict=True)):
                 if row.keep_state and tok in self.snapshot_ids:
-                    row.snapshot = gen.take_row(self.cache, j, self.row_length(j), kv=False)
+                    row.snapshot = self.take(j, kv=False)
         return stepped, finished
