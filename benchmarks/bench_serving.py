@@ -123,7 +123,7 @@ def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
     ray.init(num_cpus=max(2, len(MODES)), include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    modes = MODES
+    modes = {m: MODES[m] for m in args.modes} if args.modes else MODES
     urls = {m: f"http://127.0.0.1:{port}/{m.replace(' ', '-')}" for m in modes}
     best: dict[tuple[str, int], dict[str, Any]] = {}
     try:
@@ -283,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grammar-clients", type=int, nargs="+", default=[4, 16], help="clients of --part grammar")
     p.add_argument("--grammar-max-tokens", type=int, default=48, help="max_tokens of every --part grammar request")
     p.add_argument("--json", default=None)
+    p.add_argument("--family", action="store_true",
+                   help="throughput on bench_peers' ~115M family (vocabulary 49152, the demo tokenizer's ids) "
+                        "instead of the demo-sized parent")  # fmt: skip
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=None, help="batching modes (default all)")
     p.add_argument("--rss-child", nargs=2, metavar=("CKPT", "BUDGETS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_child:
@@ -292,7 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     result: dict[str, Any] = {"load_average": load, "args": {k: v for k, v in vars(args).items() if k != "rss_child"}}
     with tempfile.TemporaryDirectory() as tmp:
-        demo = build_checkpoint(Path(tmp) / "demo", DEMO, DEMO_BUDGETS, vocab_from_tokenizer=True)
+        if args.family:
+            from benchmarks.bench_peers import BUDGETS, PARENT
+            from model.elastic import Architecture
+
+            family = {n: Architecture(**kw) for n, kw in BUDGETS.items()}
+            demo = build_checkpoint(Path(tmp) / "family", PARENT, family, vocab_from_tokenizer=False)
+        else:
+            demo = build_checkpoint(Path(tmp) / "demo", DEMO, DEMO_BUDGETS, vocab_from_tokenizer=True)
         if args.part in ("throughput", "all"):
             rows = throughput(demo, args)
             result["throughput"] = rows

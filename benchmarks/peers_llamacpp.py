@@ -64,8 +64,10 @@ TARGETS = ("llama", "llama-simple")
 
 
 def cache_root() -> Path:
-    """``$STAR_ELASTIC_CACHE/peers`` (the project's cache rule, :mod:`components.data.locate`)."""
-    return Path(os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic")) / "peers"
+    """``$STAR_ELASTIC_CACHE/peers`` (the project's cache rule, :func:`components.settings.cache_dir`)."""
+    from components.settings import cache_dir
+
+    return cache_dir() / "peers"
 
 
 # ---------------------------------------------------------------------- what llama.cpp can take

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from components.data.answers import AnswerFormat
 from components.data.jsonl import iter_jsonl
 from components.data.reasoning import generate_eval_sets
+from components.settings import cache_dir as settings_cache_dir
 
 __all__ = [
     "EvalItem",
@@ -92,8 +93,7 @@ def fetch_file(uri: str, cache_dir: str | Path | None = None) -> Path:
     bucket, key = split_s3(uri)
     if not key or key.endswith("/"):
         raise ValueError(f"{uri}: expected an s3://bucket/key of one file")
-    cache = Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
-    folder = cache / "s3-files"
+    folder = settings_cache_dir(cache_dir) / "s3-files"
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix="-" + Path(key).name)
     os.close(fd)

@@ -19,7 +19,9 @@ Design choices:
   phases, re-prefill included). Every budget gets one untimed warm-up call first, so one-time
   costs (lazy initialisation, allocator growth) do not land on whichever pair runs first.
 * Deterministic for a fixed seed: problems come from files or seeded generators, decoding is greedy
-  by default (sampling uses per-row seeds). Latencies are wall times and vary run to run.
+  by default, and sampling seeds each problem as a request seeded ``seed`` (:mod:`model.request_plan`'s
+  rule, the server's), so its tokens do not depend on ``batch_size`` or on its place in a batch.
+  Latencies are wall times and vary run to run.
 * Thinking caps count tokens between the markers; a marker the tokenizer splits into several
   tokens is handled by :mod:`model.phases` (appended whole, detected as a suffix).
 * An answer is read from the answer phase's text by :class:`~components.data.answers.AnswerReader`
@@ -85,7 +87,7 @@ DEFAULT_LEVELS = [1, 2, 3, 4, 5, 6]
 class EvalConfig(BaseModel):
     """Settings of the evaluate stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     checkpoint_uri: str = Field(
         description="Nested checkpoint folder or s3:// prefix: config.json (with an 'elastic' section listing the "

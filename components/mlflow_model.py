@@ -2,11 +2,12 @@
 
 The registered model is a regular MLflow model (``MLmodel``, the checkpoint under ``artifacts/``,
 the project code under ``code/``, built from ``mlflow_model_code.py``: no pickle). ``predict`` is
-thin: the serving loader, the server's prompt rules and the generation functions evaluation uses. Requests are
-typed by :class:`GenerationRequest` (MLflow's signature); ``temperature`` defaults to 0 so
-predictions are reproducible. Structured outputs and tools take the server's arguments (``response_format``,
-``tools``, ``tool_choice``, ``parallel_tool_calls``); a row with a grammar decodes on the serving engine,
-whose sampler applies it.
+thin: the serving loader, the server's prompt rules, the server's request planner (:mod:`model.request_plan`:
+checks, ``n`` choices, seeds) and the generation functions evaluation uses, so a seeded request gives the
+server's tokens wherever it sits in the input. Requests are typed by :class:`GenerationRequest` (MLflow's
+signature); ``temperature`` defaults to 0 so predictions are reproducible. Structured outputs and tools take
+the server's arguments (``response_format``, ``tools``, ``tool_choice``, ``parallel_tool_calls``); a row with a
+grammar decodes on the serving engine, whose sampler applies it.
 
 Design notes (layout, ``model_config``, DataFrame inputs): docs/serving.md ("The registry model (MLflow pyfunc)").
 """
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from components.serving.loading import LoadedModel
     from components.serving.prompts import PromptRules
     from components.serving.tools import ToolFormat
+    from model.request_plan import ChoicePlan, Limits
 
 CHECKPOINT_ARTIFACT = "checkpoint"
 """Key of the nested checkpoint folder in the pyfunc's ``artifacts``."""
@@ -88,7 +90,8 @@ class GenerationRequest(BaseModel):
     # Optional rather than defaulted: MLflow marks a field without a None default as required in the signature
     temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature (default 0: greedy).")
     top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass (default 1).")
-    seed: int | None = Field(None, description="Sampling seed (per-row generators: independent of batching).")
+    seed: int | None = Field(None, description="Sampling seed: the server's tokens for this request, wherever it sits.")
+    n: int | None = Field(None, ge=1, description="Choices to sample (default 1); all of them in the result's choices.")
     response_format: dict[str, Any] | None = Field(
         None, description="As the chat API: {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}."
     )
@@ -113,16 +116,13 @@ class ToolCallResult(BaseModel):
     arguments: str = Field(description="Its arguments, JSON text of an object.")
 
 
-class GenerationResult(BaseModel):
-    """One item of ``predict``'s output."""
+class GenerationChoice(BaseModel):
+    """One sampled choice of a request."""
 
     text: str = Field(description="The answer (special tokens and reasoning markers removed).")
     # None defaults: MLflow infers the output schema only when every optional field has one
     reasoning: str | None = Field(None, description="The kept thinking; None for a prompt without a thinking phase.")
-    budget: str = Field(description="Budget that answered.")
-    think_model: str | None = Field(None, description="Budget that thought (None: no thinking phase).")
     finish_reason: str = Field(description="'stop': the model ended the answer; 'length': max_tokens was reached.")
-    prompt_tokens: int = Field(description="Prompt length in tokens.")
     reasoning_tokens: int = Field(description="Thinking tokens decoded (including any cut at the cap).")
     completion_tokens: int = Field(description="Every generated token, thinking included.")
     tool_calls: list[ToolCallResult] | None = Field(
@@ -130,24 +130,29 @@ class GenerationResult(BaseModel):
     )
 
 
+class GenerationResult(GenerationChoice):
+    """One item of ``predict``'s output: choice 0's fields, and every choice in ``choices`` when n > 1."""
+
+    budget: str = Field(description="Budget that answered.")
+    think_model: str | None = Field(None, description="Budget that thought (None: no thinking phase).")
+    prompt_tokens: int = Field(description="Prompt length in tokens.")
+    choices: list[GenerationChoice] | None = Field(None, description="Every choice, in order, when n > 1.")
+
+
 # ---------------------------------------------------------------------- generation
 @dataclass(frozen=True)
-class _Plan:
-    """What one row decodes; rows with equal ``key`` share one batched call."""
+class _Row:
+    """One request: its planned choices and how they sample; choices of rows with equal ``key`` share one call."""
 
-    prompt: list[int]
-    budget: str
-    think: str | None
-    cap: int | None
-    max_tokens: int
+    choices: list[ChoicePlan]
     temperature: float
     top_p: float
-    seed: int | None
     constraint: Constraint
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return self.budget, self.think, self.cap, self.max_tokens, self.temperature, self.top_p, self.seed
+        c = self.choices[0]
+        return c.answer_model, c.think_model, c.think_cap, c.max_tokens, self.temperature, self.top_p
 
 
 def _constraint(req: GenerationRequest, fmt: ToolFormat, config: ServingConfig, row: int) -> Constraint:
@@ -204,22 +209,16 @@ def _messages(req: GenerationRequest, row: int) -> list[dict[str, Any]]:
     return out
 
 
-def _plan(
-    loaded: LoadedModel, rules: PromptRules, req: GenerationRequest, config: ServingConfig, row: int, fmt: ToolFormat
-) -> _Plan:
-    """What row ``row`` decodes; a request the rules refuse is a ``ValueError`` naming the row and the field."""
+def _plan(rules: PromptRules, limits: Limits, req: GenerationRequest, config: ServingConfig, row: int,
+          fmt: ToolFormat) -> _Row:  # fmt: skip
+    """Row ``row``'s choices, planned by :func:`model.request_plan.plan`; a request the rules refuse is a
+    ``ValueError`` naming the row and the field."""
     from components.serving.prompts import PromptError, check_length
+    from model.request_plan import Fields, PlanError, Request, plan
 
-    def known(name: str, field: str) -> str:
-        if name not in loaded.cards:
-            raise ValueError(f"row {row}: {field}: unknown budget {name!r}; the model has {list(loaded.cards)}")
-        return name
-
-    budget = known(req.budget, "budget") if req.budget is not None else next(iter(loaded.cards))
-    max_tokens = req.max_tokens if req.max_tokens is not None else config.default_max_tokens
-    for field, value in (("max_tokens", max_tokens), ("reasoning_budget", req.reasoning_budget)):
-        if value is not None and value > config.max_tokens_limit:
-            raise ValueError(f"row {row}: {field}: {value} is above max_tokens_limit {config.max_tokens_limit}")
+    n, most = 1 if req.n is None else req.n, config.max_choices_per_request
+    if n > most:
+        raise ValueError(f"row {row}: n: {n} choices, more than max_choices_per_request {most}")
     constraint = _constraint(req, fmt, config, row)
     try:
         if req.messages is not None:
@@ -229,65 +228,87 @@ def _plan(
         check_length(ids, config.max_prompt_tokens, "messages" if req.messages is not None else "prompt")
     except PromptError as err:
         raise ValueError(f"row {row}: {err}") from None
-    think, cap = None, None
-    if thinks:
-        think = known(req.think_model, "think_model") if req.think_model is not None else budget
-        size_t, size_a = loaded.cards[think].active_params, loaded.cards[budget].active_params
-        if size_t > size_a and not config.allow_think_larger:
-            raise ValueError(
-                f"row {row}: think_model: {think!r} ({size_t:,} active parameters) is larger than budget {budget!r} "
-                f"({size_a:,}); elastic budget control thinks on a smaller budget"
-            )
-        cap = req.reasoning_budget if req.reasoning_budget is not None else config.default_think_cap
-    elif req.think_model is not None or req.reasoning_budget is not None:
-        raise ValueError(
-            f"row {row}: think_model / reasoning_budget: this prompt has no thinking phase (a completion prompt "
-            f"must end with {rules.tokenizer.markers.think_open!r} to think)"
-        )
+    set_fields = req.think_model is not None or req.reasoning_budget is not None  # refused if the prompt does not think
+    request = Request(
+        ids, req.budget if req.budget is not None else next(iter(limits.active_params)),  # default: the largest
+        req.max_tokens if req.max_tokens is not None else config.default_max_tokens, thinks, req.think_model,
+        req.reasoning_budget if req.reasoning_budget is not None else config.default_think_cap, n, req.seed,
+        ("think_model", "reasoning_budget") if set_fields else (),
+    )  # fmt: skip
+    try:
+        choices = plan(request, limits, Fields(answer="budget", think="think_model", cap="reasoning_budget"))
+    except PlanError as err:
+        raise ValueError(f"row {row}: {err}") from None
     temperature = 0.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    return _Plan(ids, budget, think, cap, max_tokens, temperature, top_p, req.seed, constraint)
+    return _Row(choices, temperature, 1.0 if req.top_p is None else req.top_p, constraint)
 
 
 def _on_engine(
-    loaded: LoadedModel, config: ServingConfig, compiled: dict[int, Any], plans: dict[int, _Plan]
-) -> dict[int, JobResult]:
-    """Decode ``plans`` (row -> plan) on the serving engine, whose sampler applies each row's grammar (``compiled``:
-    row -> compiled grammar, copied per row).
-
-    Seeds follow the server (``row_seed(seed, 0)`` thinking, ``row_seed(seed, 1)`` answering). The engine's
-    events are read on a private event loop in a worker thread, so ``predict`` works inside a running loop too.
-    """
+    loaded: LoadedModel, config: ServingConfig, compiled: dict[int, Any], rows: dict[int, _Row]
+) -> dict[int, list[JobResult]]:
+    """Decode every choice of ``rows`` (row -> plan) on the serving engine, whose sampler applies each row's grammar
+    (``compiled``: row -> compiled grammar, copied per choice); results per row, in choice order. The engine's events
+    are read on a private event loop in a worker thread, so ``predict`` works inside a running loop too."""
     from concurrent.futures import ThreadPoolExecutor
 
     from components.serving.engine import Engine, Job
     from components.serving.responses import collect
     from model.generate import SamplingParams
 
-    rows = sorted(plans)
+    order = sorted(rows)
     engine = Engine(loaded, config).start()
 
     async def run() -> list[JobResult]:
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = []
-        for k, row in enumerate(rows):
-            p = plans[row]
-            sampling = SamplingParams(
-                max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed
-            )
-            grammar = compiled[row].deep_copy()
-            job = Job(p.prompt, p.budget, p.think, p.cap, p.max_tokens, sampling, (), False, loop, events=events,
-                      index=k, grammar=grammar)  # fmt: skip
-            jobs.append(job)
-            engine.submit(job)
+        for i in order:
+            r = rows[i]
+            for c in r.choices:
+                sampling = SamplingParams(max_new_tokens=c.max_tokens, temperature=r.temperature, top_p=r.top_p)
+                job = Job(c.prompt, c.answer_model, c.think_model, c.think_cap, c.max_tokens, sampling, (), False, loop,
+                          events=events, index=len(jobs), grammar=compiled[i].deep_copy(), seeds=c.seeds)  # fmt: skip
+                jobs.append(job)
+                engine.submit(job)
         return await collect(jobs)
 
     try:
         with ThreadPoolExecutor(1) as pool:
-            results = pool.submit(asyncio.run, run()).result()
+            results = iter(pool.submit(asyncio.run, run()).result())
     finally:
         engine.stop()
-    return dict(zip(rows, results, strict=True))
+    return {i: [next(results) for _ in rows[i].choices] for i in order}
+
+
+def _decode_group(
+    loaded: LoadedModel, config: ServingConfig, rules: PromptRules, fmt: ToolFormat, members: list[tuple[_Row, int]]
+) -> list[GenerationChoice]:
+    """One batched call over choices of equal settings (``members``: (row, choice index)), in order."""
+    from model.generate import RowStart, SamplingParams, decode_rows
+    from model.phases import budget_control
+    from model.request_plan import decode_seeds
+
+    row0, tokens = members[0][0], loaded.tokens
+    first, plans = row0.choices[0], [r.choices[k] for r, k in members]
+    prompts, seeds = [c.prompt for c in plans], [c.seeds for c in plans]
+    params = SamplingParams(
+        max_new_tokens=first.max_tokens, temperature=row0.temperature, top_p=row0.top_p, stop_ids=tokens.answer_stop_ids
+    )
+    if first.think_model is not None:  # (answer ids, how it ended, kept thinking, thinking tokens decoded) per choice
+        outs = budget_control(
+            loaded.registry, first.think_model, first.answer_model, tokens, prompts, first.think_cap, first.max_tokens,
+            params, allow_think_larger=config.allow_think_larger, think_limit=config.think_limit, seeds=seeds,
+        )  # fmt: skip
+        decoded = [(o.answer_tokens, o.answer_stop, o.think_tokens, o.think_generated) for o in outs]
+    else:
+        model, starts = loaded.registry.get(first.answer_model), [RowStart(list(p)) for p in prompts]
+        outs = decode_rows(model, starts, params, seeds=decode_seeds(seeds, "plain"))
+        decoded = [(o.tokens, o.stop_reason, None, 0) for o in outs]
+    out = []
+    for (r, _), (ids, stop, think, generated) in zip(members, decoded, strict=True):
+        answer, finish = ids[:-1] if stop == "stop_id" else ids, "length" if stop == "length" else "stop"
+        reasoning = None if think is None else rules.visible_text(think)
+        out.append(_choice(r, rules.visible_text(answer), reasoning, finish, generated, len(ids), fmt))
+    return out
 
 
 def generate(
@@ -296,89 +317,70 @@ def generate(
     config: ServingConfig,
     grammars: Grammars | None = None,
 ) -> list[GenerationResult]:
-    """Answer every request (outputs in input order); rows with equal settings decode as one batch, rows with a
+    """Answer every request (outputs in input order); choices with equal settings decode as one batch, rows with a
     grammar on the serving engine (``grammars``: compiled grammars to reuse; built when None and needed)."""
     from components.serving.grammar import GrammarError, Grammars
     from components.serving.prompts import PromptRules
     from components.serving.tools import tool_format
-    from model.generate import RowStart, SamplingParams, decode_rows
-    from model.phases import budget_control
+    from model.request_plan import Limits
 
     fmt = tool_format(config.tool_parser)
     rules = PromptRules(loaded.tokenizer, fmt)
-    plans = [_plan(loaded, rules, r, config, i, fmt) for i, r in enumerate(requests)]
-    constrained = {i: p for i, p in enumerate(plans) if p.constraint.grammar is not None}
+    limits = Limits(
+        {name: card.active_params for name, card in loaded.cards.items()}, config.allow_think_larger,
+        config.max_tokens_limit, loaded.tokenizer.markers.think_open,
+    )  # fmt: skip
+    rows = [_plan(rules, limits, r, config, i, fmt) for i, r in enumerate(requests)]
+    constrained = {i: r for i, r in enumerate(rows) if r.constraint.grammar is not None}
     if constrained and grammars is None:
         vocab = loaded.registry.full.config.vocab_size
         grammars = Grammars(loaded.tokenizer, vocab, loaded.tokens.answer_stop_ids, config.json_style)
     compiled = {}
-    for i, p in constrained.items():
+    for i, r in constrained.items():
         try:
-            compiled[i] = grammars.compiled(p.constraint.grammar)  # type: ignore[union-attr, arg-type]
+            compiled[i] = grammars.compiled(r.constraint.grammar)  # type: ignore[union-attr, arg-type]
         except GrammarError as err:
             raise ValueError(f"row {i}: {err.message}") from None
-    results: list[GenerationResult | None] = [None] * len(plans)
+    done: dict[tuple[int, int], GenerationChoice] = {}
     if constrained:
-        for i, r in _on_engine(loaded, config, compiled, constrained).items():
-            p = plans[i]
-            results[i] = _result(p, r.content, r.reasoning, r.finish_reason, r.reasoning_tokens, r.answer_tokens, fmt)
-    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for i, p in enumerate(plans):
+        for i, results in _on_engine(loaded, config, compiled, constrained).items():
+            for k, j in enumerate(results):
+                done[i, k] = _choice(rows[i], j.content, j.reasoning, j.finish_reason, j.reasoning_tokens,
+                                     j.answer_tokens, fmt)  # fmt: skip
+    groups: dict[tuple[Any, ...], list[tuple[int, int]]] = defaultdict(list)
+    for i, r in enumerate(rows):
         if i not in constrained:
-            groups[p.key].append(i)
-    tokens = loaded.tokens
-    for rows in groups.values():
-        first = plans[rows[0]]
-        prompts = [plans[i].prompt for i in rows]
-        sampling = SamplingParams(
-            max_new_tokens=first.max_tokens, temperature=first.temperature, top_p=first.top_p, seed=first.seed
-        )
-        if first.think is not None:
-            outs = budget_control(
-                loaded.registry, first.think, first.budget, tokens, prompts, first.cap, first.max_tokens, sampling,
-                allow_think_larger=config.allow_think_larger, think_limit=config.think_limit,
-            )  # fmt: skip
-            for i, r in zip(rows, outs, strict=True):
-                answer = r.answer_tokens[:-1] if r.answer_stop == "stop_id" else r.answer_tokens
-                finish = "length" if r.answer_stop == "length" else "stop"
-                results[i] = _result(
-                    plans[i], rules.visible_text(answer), rules.visible_text(r.think_tokens), finish,
-                    r.think_generated, len(r.answer_tokens), fmt,
-                )  # fmt: skip
-        else:
-            params = SamplingParams(
-                max_new_tokens=first.max_tokens, temperature=first.temperature, top_p=first.top_p,
-                seed=first.seed, stop_ids=tokens.answer_stop_ids,
-            )  # fmt: skip
-            outs = decode_rows(loaded.registry.get(first.budget), [RowStart(list(p)) for p in prompts], params)
-            for i, o in zip(rows, outs, strict=True):
-                answer = o.tokens[:-1] if o.stop_reason == "stop_id" else o.tokens
-                finish = "length" if o.stop_reason == "length" else "stop"
-                results[i] = _result(plans[i], rules.visible_text(answer), None, finish, 0, len(o.tokens), fmt)
-    return [r for r in results if r is not None]
+            groups[r.key] += [(i, c.choice) for c in r.choices]
+    for members in groups.values():
+        outs = _decode_group(loaded, config, rules, fmt, [(rows[i], k) for i, k in members])
+        done.update(zip(members, outs, strict=True))
+    return [_result(r, [done[i, c.choice] for c in r.choices]) for i, r in enumerate(rows)]
 
 
-def _result(
-    plan: _Plan,
-    text: str,
-    reasoning: str | None,
-    finish: str,
-    reasoning_tokens: int,
-    answer_tokens: int,
+def _choice(
+    row: _Row, text: str, reasoning: str | None, finish: str, reasoning_tokens: int, answer_tokens: int,
     fmt: ToolFormat,
-) -> GenerationResult:
-    """One result; with tools (and a tool choice other than none) the answer's tool calls are read back."""
+) -> GenerationChoice:  # fmt: skip
+    """One choice; with tools (and a tool choice other than none) the answer's tool calls are read back."""
     calls = []
-    if plan.constraint.reads_tools:
-        content, parsed = fmt.parse(text, plan.constraint.parallel)
+    if row.constraint.reads_tools:
+        content, parsed = fmt.parse(text, row.constraint.parallel)
         text = content or ""
         calls = [ToolCallResult(id=c.id, name=c.name, arguments=c.arguments) for c in parsed]
-        if calls and plan.constraint.choice != "named" and finish != "length":
+        if calls and row.constraint.choice != "named" and finish != "length":
             finish = "tool_calls"
-    return GenerationResult(
-        text=text, reasoning=reasoning, budget=plan.budget, think_model=plan.think, finish_reason=finish,
-        prompt_tokens=len(plan.prompt), reasoning_tokens=reasoning_tokens,
+    return GenerationChoice(
+        text=text, reasoning=reasoning, finish_reason=finish, reasoning_tokens=reasoning_tokens,
         completion_tokens=reasoning_tokens + answer_tokens, tool_calls=calls or None,
+    )  # fmt: skip
+
+
+def _result(row: _Row, choices: list[GenerationChoice]) -> GenerationResult:
+    """A request's result: choice 0's fields, every choice when there are several."""
+    first = row.choices[0]
+    return GenerationResult(
+        **dict(choices[0]), budget=first.answer_model, think_model=first.think_model, prompt_tokens=len(first.prompt),
+        choices=choices if len(choices) > 1 else None,
     )  # fmt: skip
 
 
@@ -443,8 +445,10 @@ def log_nested_model(
     experiment_id: str,
     name: str = "model",
     tags: Mapping[str, str] | None = None,
+    registry_uri: str | None = None,
 ) -> ModelInfo:
-    """Log ``checkpoint`` as a pyfunc model of run ``run_id`` (an MLflow 3 logged model linked to the run).
+    """Log ``checkpoint`` as a pyfunc model of run ``run_id`` (an MLflow 3 logged model linked to the run) in
+    the store ``tracking_uri`` / ``registry_uri`` (default: the tracking store).
 
     The model is created for the given run explicitly (no active-run state), so the stage's run stays
     open. MLflow runs the model on its input example once while logging (a check that it loads and
@@ -453,24 +457,27 @@ def log_nested_model(
     import mlflow
     from mlflow.entities import LoggedModelOutput
 
+    from components.settings import MlflowStore
+
     folder = Path(checkpoint)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint_uri: {folder} is not a checkpoint folder (no config.json)")
-    mlflow.set_tracking_uri(tracking_uri)
-    logged = mlflow.initialize_logged_model(
-        name=name, source_run_id=run_id, experiment_id=experiment_id, tags=dict(tags or {}), model_type="llm"
-    )
-    info = mlflow.pyfunc.log_model(
-        name=name,
-        python_model=str(Path(__file__).with_name("mlflow_model_code.py")),  # the signature: predict's type hints
-        artifacts={CHECKPOINT_ARTIFACT: str(folder)},
-        code_paths=code_paths(),
-        input_example=input_example(folder),
-        pip_requirements=pip_requirements(),
-        metadata={"checkpoint": folder.name},
-        model_id=logged.model_id,
-    )
-    mlflow.MlflowClient(tracking_uri).log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
+    store = MlflowStore.of(tracking_uri, registry_uri)
+    with store.process_wide():  # these two take no client or URI: only the process-wide store, for them alone
+        logged = mlflow.initialize_logged_model(
+            name=name, source_run_id=run_id, experiment_id=experiment_id, tags=dict(tags or {}), model_type="llm"
+        )
+        info = mlflow.pyfunc.log_model(
+            name=name,
+            python_model=str(Path(__file__).with_name("mlflow_model_code.py")),  # the signature: predict's hints
+            artifacts={CHECKPOINT_ARTIFACT: str(folder)},
+            code_paths=code_paths(),
+            input_example=input_example(folder),
+            pip_requirements=pip_requirements(),
+            metadata={"checkpoint": folder.name},
+            model_id=logged.model_id,
+        )
+    store.client().log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
     return info
 
 

@@ -61,7 +61,7 @@ DEMO_PARENT_ARCH: dict[str, Any] = {
 class ParentTrainConfig(BaseModel):
     """How a parent is built and trained (the demo's by default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     output_dir: str = Field("runs/demo-parent/parent", description="Where the parent checkpoint is written.")
     architecture: dict[str, Any] = Field(

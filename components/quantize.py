@@ -84,7 +84,7 @@ class QuantCalibrationConfig(BaseModel):
 class QuantizeConfig(BaseModel):
     """Settings of the quantize stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     checkpoint_uri: str = Field(description="The nested (unquantized) checkpoint folder or s3:// prefix.")
     output_dir: str = Field("runs/quantize", description="Local folder: one sub-folder per format, tables beside.")

@@ -33,6 +33,7 @@ from components.data import (
     make_data_batch,
 )
 from components.data.checks import check_data
+from components.progress import progress_bar
 from components.stage_task import TaskInfo, TaskResources, check_feasible, ray_runtime, run_task
 from components.tracking import Tracker
 from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
@@ -72,7 +73,7 @@ class CalibrationConfig(BaseModel):
 class RankConfig(BaseModel):
     """Settings of the rank stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     parent_uri: str = Field(description="Parent checkpoint folder (nemotron_h safetensors + tokenizer files).")
     output_dir: str = Field(description="Folder for the permuted checkpoint, rankings.json and the plot.")
@@ -153,17 +154,16 @@ def calibrate_share(
     model = HybridLM.from_pretrained(folder).to(device)
     exclude = _exclude(cfg)
     acc = ImportanceAccumulator()
-    start = time.perf_counter()
-    for n, index in enumerate(indices, 1):
+    bar = progress_bar(len(indices), f"rank calibration, {tag}", unit="batch", disable=not progress)
+    for index in indices:
         calibrate(model, [calibration_batch(cfg, tok, index, exclude)], axes, progress=False, acc=acc)
-        if progress and (n % max(1, len(indices) // 4) == 0 or n == len(indices)):
-            rate = n / (time.perf_counter() - start)
-            print(f"[rank {tag}] {n}/{len(indices)} batches, {rate:.2f} batch/s", flush=True)
+        bar.update(1)
+    bar.close()
     return acc.state_dict()
 
 
 def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
-    """Deal the batches to ``num_tasks`` Ray tasks and sum their accumulators, printing rate and ETA."""
+    """Deal the batches to ``num_tasks`` Ray tasks and sum their accumulators (the first task shows progress)."""
     import ray
 
     cal = config.calibration
@@ -174,26 +174,18 @@ def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
     task = ray.remote(calibrate_share).options(num_cpus=config.cpus_per_task, num_gpus=config.gpus_per_task)
     args = (config.parent_uri, cal.model_dump(), list(config.axes), config.cpus_per_task, device)
     refs = {
-        task.remote(args[0], args[1], share, *args[2:], tag=str(t), progress=config.progress): len(share)
+        # the first task shows progress for all (the shares are equal and run side by side): Ray would fold
+        # alike lines from several processes into one
+        task.remote(args[0], args[1], share, *args[2:], tag=f"task 1 of {n_tasks}", progress=config.progress and t == 0):
+        len(share)
         for t, share in enumerate(shares)
     }
     acc = ImportanceAccumulator()
-    done_batches, start, pending = 0, time.perf_counter(), list(refs)
-    total = len(indices)
+    pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         for ref in ready:
             acc.merge(ImportanceAccumulator.from_state_dict(ray.get(ref)))
-            done_batches += refs[ref]
-        if config.progress:
-            elapsed = time.perf_counter() - start
-            rate = done_batches / elapsed
-            eta = (total - done_batches) / rate if rate > 0 else float("nan")
-            print(
-                f"[rank] calibration: {n_tasks - len(pending)}/{n_tasks} tasks, {done_batches}/{total} batches, "
-                f"{rate:.2f} batch/s, ETA {eta:.0f}s",
-                flush=True,
-            )
     return acc
 
 
@@ -243,7 +235,7 @@ def rank_and_permute(config: RankConfig, acc_state: dict[str, Any], device: str)
     if config.depth:
         t_depth = time.perf_counter()
         batches = [calibration_batch(cal, tok, i, exclude) for i in range(min(config.depth_batches, cal.num_batches))]
-        depth = depth_ranking(model, batches, progress=config.progress)
+        depth = depth_ranking(model, batches, progress=_depth_progress if config.progress else False)
         depth_s = time.perf_counter() - t_depth
     rankings = rankings_from_accumulator(acc, model.config, config.axes, config.expert_score, depth)
     if depth is not None:

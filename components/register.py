@@ -22,20 +22,20 @@ Logging a format loads it once: MLflow runs the pyfunc on its input example to c
 answers. The pipeline therefore runs this stage as a Ray task with ``resources``
 (:mod:`components.stage_task`), so that check runs on a worker and the driver holds no model.
 
-``models:/NAME@alias`` and ``models:/NAME/VERSION`` resolve against ``MLFLOW_TRACKING_URI`` or, when
-it is unset, the pipeline's own store (``sqlite:///runs/mlflow.db``), which must exist: resolution
-never creates a store.
+``models:/NAME@alias`` and ``models:/NAME/VERSION`` resolve in the store :mod:`components.settings`
+picks: an explicit ``tracking_uri`` (``serve.tracking_uri``), else ``MLFLOW_TRACKING_URI``, else the
+pipeline's own store (``sqlite:///runs/mlflow.db``), which must exist: resolution never creates a store.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.settings import MlflowStore, mlflow_store
 from components.stage_task import TaskResources
 from components.tracking import MlflowTracker, Tracker
 
@@ -64,7 +64,7 @@ class PromotionGate(BaseModel):
 class RegisterConfig(BaseModel):
     """Inputs of the register stage."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     model_name: str = Field(
         "star-elastic-demo",
@@ -172,14 +172,18 @@ def run_register(cfg: RegisterConfig, tracker: Tracker) -> dict[str, Any]:
         info = log_nested_model(
             folder,
             tracking_uri=tracker.tracking_uri,
+            registry_uri=tracker.registry_uri,
             run_id=tracker.run_id,
             experiment_id=tracker.experiment_id,
             name="model" if fmt == BASE_FORMAT else f"model-{fmt}",
         )
-        mv = client.create_model_version(
-            cfg.model_name, info.model_uri, run_id=tracker.run_id, model_id=info.model_id,
-            description=f"{fmt} weights; every budget in one checkpoint ({', '.join(b['name'] for b in cfg.budgets)})",
-        )  # fmt: skip
+        names = ", ".join(b["name"] for b in cfg.budgets)
+        # MLflow's SQL registry reads a models:/<model_id> source through the process-wide store, not the client's
+        with MlflowStore.of(tracker.tracking_uri, tracker.registry_uri).process_wide():
+            mv = client.create_model_version(
+                cfg.model_name, info.model_uri, run_id=tracker.run_id, model_id=info.model_id,
+                description=f"{fmt} weights; every budget in one checkpoint ({names})",
+            )  # fmt: skip
         versions[fmt] = mv.version
     promote, reasons = gate_decision(cfg.budgets, champion_acc, cfg.gate)
     promotion = "promoted" if promote else "rejected: " + "; ".join(reasons)
@@ -207,20 +211,26 @@ def run_register(cfg: RegisterConfig, tracker: Tracker) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- models:/ URIs
-def registry_tracking_uri(tracking_uri: str | None = None, runs_dir: str | Path = "runs") -> str:
+def registry_store(tracking_uri: str | None = None, runs_dir: str | Path = "runs") -> MlflowStore:
     """The store ``models:/`` URIs resolve in: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else the
     pipeline's default store ``sqlite:///<runs_dir>/mlflow.db`` (absolute), which must exist (MLflow would
     otherwise create an empty database wherever the process runs)."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
+    store = mlflow_store(tracking_uri)
+    if store is not None:
+        return store
     db = Path(runs_dir).resolve() / "mlflow.db"
     if not db.is_file():
         raise FileNotFoundError(
             f"no MLflow tracking store for models:/ URIs: MLFLOW_TRACKING_URI is unset and the pipeline's store {db} "
             "does not exist (run the pipeline here first, or set MLFLOW_TRACKING_URI or serve.tracking_uri)"
         )
-    return f"sqlite:///{db}"
+    uri = f"sqlite:///{db}"
+    return MlflowStore(tracking_uri=uri, registry_uri=uri, source="default")
+
+
+def registry_tracking_uri(tracking_uri: str | None = None, runs_dir: str | Path = "runs") -> str:
+    """The tracking URI of :func:`registry_store`."""
+    return registry_store(tracking_uri, runs_dir).tracking_uri
 
 
 def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
@@ -239,13 +249,14 @@ def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     raise ValueError(f"{uri!r}: not a models:/NAME@ALIAS or models:/NAME/VERSION URI")
 
 
-def find_model_version(uri: str, tracking_uri: str, fmt: str = "auto") -> ModelVersion:
-    """The registered version ``uri`` names, or its sibling holding ``fmt`` weights; one-line errors."""
+def find_model_version(uri: str, tracking_uri: str, fmt: str = "auto", registry_uri: str | None = None) -> ModelVersion:
+    """The registered version ``uri`` names, or its sibling holding ``fmt`` weights; one-line errors.
+    ``registry_uri``: the registry of that store (default: the tracking store itself)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     name, alias, version = parse_models_uri(uri)
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
     try:
         model = client.get_registered_model(name)
     except MlflowException:
@@ -290,16 +301,19 @@ def resolve_model_uri(uri: str, tracking_uri: str | None, dst: str | Path | None
 
     from components.mlflow_model import checkpoint_folder
 
-    tracking_uri = registry_tracking_uri(tracking_uri)
-    mv = find_model_version(uri, tracking_uri, fmt)
+    store = registry_store(tracking_uri)
+    mv = find_model_version(uri, store.tracking_uri, fmt, store.registry_uri)
     target = None
     if dst is not None:
         target = Path(dst) / f"{mv.name}-v{mv.version}"
         target.mkdir(parents=True, exist_ok=True)
-    local = mlflow.artifacts.download_artifacts(
-        artifact_uri=f"models:/{mv.name}/{mv.version}",
-        dst_path=str(target) if target else None,
-        tracking_uri=tracking_uri,
-        registry_uri=tracking_uri,
-    )
+    # MLflow's models:/ artifact repository finds the version through the process-wide registry, whatever
+    # registry_uri says: that registry is this store's for the download
+    with store.process_wide():
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{mv.name}/{mv.version}",
+            dst_path=str(target) if target else None,
+            tracking_uri=store.tracking_uri,
+            registry_uri=store.registry_uri,
+        )
     return checkpoint_folder(local)

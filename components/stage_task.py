@@ -9,7 +9,7 @@ Design choices:
 
 * The task runs the same function the stage would run in-process, with the same arguments:
   components keep a plain ``run_*(config, tracker)`` that unit tests and notebooks call directly.
-* The tracker crosses as its MLflow address (tracking URI, run id, experiment): the task logs into
+* The tracker crosses as its MLflow address (tracking URI, run id, experiment, registry URI): the task logs into
   the stage's own run (:func:`~components.tracking.tracker_for_worker`), never closes it, and a
   driver without tracking gives the task a :class:`~components.tracking.NullTracker`.
 * One task per worker process (``max_calls=1``): the process exits when the task returns, so the
@@ -172,17 +172,17 @@ def check_feasible(resources: TaskResources, field: str) -> None:
 
 
 # ---------------------------------------------------------------------- the task
-def _tracker_address(tracker: Tracker | None) -> tuple[str, str, str] | None:
+def _tracker_address(tracker: Tracker | None) -> tuple[str, str, str, str | None] | None:
     if not isinstance(tracker, MlflowTracker):
         return None
-    return tracker.tracking_uri, tracker.run_id, tracker.experiment
+    return tracker.tracking_uri, tracker.run_id, tracker.experiment, tracker.registry_uri
 
 
 def _execute(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    tracking: tuple[str, str, str] | None,
+    tracking: tuple[str, str, str, str | None] | None,
     with_tracker: bool,
     threads: int,
     name: str,

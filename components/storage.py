@@ -5,7 +5,8 @@ Stages work on local folders. ``materialize`` turns any URI into a local folder
 named files of a URI (a checkpoint's ``config.json``, tokenizer files and manifest,
 without its weights), ``publish`` copies a local folder to a URI. S3 settings come from the standard AWS variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) and
-``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for any S3-compatible server.
+``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` for any S3-compatible server, read by
+:mod:`components.settings` and passed to boto3 explicitly.
 
 A server that stops answering is retried by botocore's ``standard`` retry mode with backoff, a bounded
 number of times (``AWS_MAX_ATTEMPTS``, default :data:`S3_MAX_ATTEMPTS`; connect and read time-outs of
@@ -22,7 +23,11 @@ import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
+
+from components.settings import S3Settings, from_environment
+from components.settings import cache_dir as settings_cache_dir
 
 METADATA_FILES: tuple[str, ...] = ("config.json", "manifest.json", "model.safetensors.index.json")
 """A checkpoint's files besides its weights and tokenizer that stages read before loading it."""
@@ -50,20 +55,28 @@ class StorageUnavailable(ConnectionError):
     """The storage endpoint stopped answering; the message names the URI, the endpoint and what to do."""
 
 
-def _endpoint() -> str | None:
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-
-
-def s3_client():
-    """A boto3 S3 client honouring ``AWS_ENDPOINT_URL(_S3)`` for S3-compatible servers, with bounded retries."""
+def s3_client(s3: S3Settings | None = None):
+    """A boto3 S3 client for ``s3`` (default: the environment's settings, ``AWS_ENDPOINT_URL(_S3)`` for
+    S3-compatible servers), with bounded retries."""
     import boto3
     from botocore.config import Config
 
-    retries = {"mode": os.environ.get("AWS_RETRY_MODE", "standard")}
-    if not os.environ.get("AWS_MAX_ATTEMPTS"):  # an explicit Config would override the variable
+    s3 = s3 or from_environment().s3
+    retries: dict[str, Any] = {"mode": s3.retry_mode}
+    if s3.max_attempts is None:
         retries["max_attempts"] = S3_MAX_ATTEMPTS
+    else:  # AWS_MAX_ATTEMPTS counts every try, as botocore reads the variable
+        retries["total_max_attempts"] = s3.max_attempts
     config = Config(retries=retries, connect_timeout=S3_TIMEOUT_S, read_timeout=S3_TIMEOUT_S)
-    return boto3.client("s3", endpoint_url=_endpoint(), config=config)
+    return boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url,
+        aws_access_key_id=s3.access_key_id,
+        aws_secret_access_key=s3.secret_access_key,
+        aws_session_token=s3.session_token,
+        region_name=s3.region,
+        config=config,
+    )
 
 
 @contextmanager
@@ -78,9 +91,10 @@ def unreachable_as_one_line(uri: str, action: str) -> Iterator[None]:
     except (BotoConnectionError, ReadTimeoutError, S3UploadFailedError) as err:
         if isinstance(err, S3UploadFailedError) and not _is_connection_failure(err):
             raise
-        attempts = os.environ.get("AWS_MAX_ATTEMPTS") or S3_MAX_ATTEMPTS
+        s3 = from_environment().s3
+        attempts, endpoint = s3.max_attempts or S3_MAX_ATTEMPTS, s3.endpoint_url or "(AWS default)"
         raise StorageUnavailable(
-            f"{action} {uri}: the S3 endpoint {_endpoint() or '(AWS default)'} did not answer after {attempts} tries "
+            f"{action} {uri}: the S3 endpoint {endpoint} did not answer after {attempts} tries "
             f"({type(err).__name__}); check that it is up and AWS_ENDPOINT_URL, then re-run (nothing was published)"
         ) from err
 
@@ -124,8 +138,7 @@ def publish(local_dir: str | Path, uri: str) -> str:
 
 def _cache_folder(uri: str | Path, cache_dir: str | Path | None) -> Path:
     """Where :func:`materialize` downloads the ``s3://`` prefix ``uri``."""
-    cache = Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
-    return cache / "s3" / hashlib.sha256(str(uri).encode()).hexdigest()[:16]
+    return settings_cache_dir(cache_dir) / "s3" / hashlib.sha256(str(uri).encode()).hexdigest()[:16]
 
 
 def materialize(uri: str | Path, cache_dir: str | Path | None = None) -> Path:

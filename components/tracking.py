@@ -1,9 +1,11 @@
 """Experiment tracking: an MLflow tracker and a do-nothing stand-in with the same methods.
 
 Stages receive a :class:`Tracker`; they never reach for a global MLflow run. The
-MLflow implementation talks through ``MlflowClient`` with explicit run ids, so a
-Ray worker can log into the run its driver created (pass ``tracking_uri`` and
-``run_id``), and nested stage runs hang under one pipeline run.
+MLflow implementation talks through an ``MlflowClient`` bound to its store (tracking and
+registry URI, never the process-wide ones) with explicit run ids, so a Ray worker can log into
+the run its driver created (pass ``tracking_uri`` and ``run_id``), and nested stage runs hang
+under one pipeline run. Which store: :mod:`components.settings` (an explicit URI wins over
+``MLFLOW_TRACKING_URI``).
 
 A tracker is a context manager: ``with tracker:`` ends its run FINISHED when the body returns and
 FAILED (with an ``error`` tag) when it raises, KILLED on Ctrl-C or SIGTERM (which Ray's driver turns
@@ -104,6 +106,7 @@ class Tracker:
 
     run_id: str | None = None
     tracking_uri: str | None = None
+    registry_uri: str | None = None
 
     def __enter__(self) -> Tracker:
         return self
@@ -151,7 +154,10 @@ class NullTracker(Tracker):
 
 
 class MlflowTracker(Tracker):
-    """Logs into one MLflow run (created on construction unless ``run_id`` is given)."""
+    """Logs into one MLflow run (created on construction unless ``run_id`` is given).
+
+    ``registry_uri``: where :mod:`components.register` registers the run's models (default: the tracking store).
+    """
 
     def __init__(
         self,
@@ -161,14 +167,14 @@ class MlflowTracker(Tracker):
         run_id: str | None = None,
         parent_run_id: str | None = None,
         artifact_location: str | None = None,
+        registry_uri: str | None = None,
     ) -> None:
-        import mlflow
         from mlflow.tracking import MlflowClient
 
         self.tracking_uri = tracking_uri
+        self.registry_uri = registry_uri or tracking_uri  # explicit: never a registry left set process-wide
         self.experiment = experiment
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        mlflow.set_tracking_uri(tracking_uri)
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=self.registry_uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             location = artifact_location or default_artifact_location(tracking_uri)
@@ -231,7 +237,9 @@ class MlflowTracker(Tracker):
 
     @contextmanager
     def child(self, name: str) -> Iterator[Tracker]:
-        sub = MlflowTracker(self.tracking_uri, self.experiment, run_name=name, parent_run_id=self.run_id)
+        sub = MlflowTracker(
+            self.tracking_uri, self.experiment, run_name=name, parent_run_id=self.run_id, registry_uri=self.registry_uri
+        )
         with sub:
             yield sub
 
@@ -267,15 +275,20 @@ class MlflowTracker(Tracker):
 
 
 def make_tracker(tracking_uri: str | None, experiment: str, run_name: str | None = None) -> Tracker:
-    """An :class:`MlflowTracker` when a tracking URI is set (argument or ``MLFLOW_TRACKING_URI``), else a null one."""
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
+    """An :class:`MlflowTracker` in the store :func:`components.settings.mlflow_store` picks (``tracking_uri``,
+    else ``MLFLOW_TRACKING_URI``), or a null one when neither names a store."""
+    from components.settings import mlflow_store
+
+    store = mlflow_store(tracking_uri)
+    if store is None:
         return NullTracker()
-    return MlflowTracker(uri, experiment, run_name=run_name)
+    return MlflowTracker(store.tracking_uri, experiment, run_name=run_name, registry_uri=store.registry_uri)
 
 
-def tracker_for_worker(tracking_uri: str | None, run_id: str | None, experiment: str) -> Tracker:
+def tracker_for_worker(
+    tracking_uri: str | None, run_id: str | None, experiment: str, registry_uri: str | None = None
+) -> Tracker:
     """Re-attach to the driver's run from a Ray worker (rank 0 logs; others pass ``None``)."""
     if not tracking_uri or not run_id:
         return NullTracker()
-    return MlflowTracker(tracking_uri, experiment, run_id=run_id)
+    return MlflowTracker(tracking_uri, experiment, run_id=run_id, registry_uri=registry_uri)

@@ -29,8 +29,11 @@ Design choices:
 * Latency: each phase is one batched call over all prompts (bucketed by length inside); a row's
   phase time is that call's wall time divided by the number of prompts, so the mean over rows
   is wall time per problem, and per-phase token counts are reported per row.
-* Sampling uses per-row seeds derived from ``sampling.seed``, distinct for the two phases, so
-  results are deterministic for a fixed seed and do not depend on batch composition.
+* Seeds follow :mod:`model.request_plan`'s rule: each row is one choice of a request and samples
+  its two phases with that choice's :class:`~model.request_plan.ChoiceSeeds` (by default every row is
+  choice 0 of a request seeded ``sampling.seed``), so a row's tokens depend neither on its position
+  in the batch nor on the rows beside it, and equal what the server and the MLflow model give the
+  same request. Checks of budgets and caps are the planner's too.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ from model.generate import (
     decode_rows,
     ends_with_any,
     rewind,
-    row_seed,
 )
 from model.hybrid import HybridLM
+from model.request_plan import ChoiceSeeds, Fields, Limits, check_budgets, check_tokens, decode_seeds
 
 DEFAULT_THINK_LIMIT = 512
 """Most thinking tokens decoded when no cap is given."""
@@ -225,11 +228,12 @@ def carry_incompatibility(think_model: HybridLM, answer_model: HybridLM) -> str 
     return None
 
 
+_FIELDS = Fields(max_tokens="answer_max_tokens")
+"""This module's names of a request's fields, in the planner's errors."""
+
+
 def _check(think_cap: int | None, answer_max_tokens: int, think_limit: int, prompts: Sequence[Sequence[int]]) -> None:
-    if think_cap is not None and (isinstance(think_cap, bool) or not isinstance(think_cap, int) or think_cap < 0):
-        raise ValueError(f"think_cap: expected None or an integer >= 0, got {think_cap!r}")
-    if answer_max_tokens < 1:
-        raise ValueError(f"answer_max_tokens: expected >= 1, got {answer_max_tokens}")
+    check_tokens(answer_max_tokens, think_cap, Limits({}), _FIELDS)
     if think_limit < 1:
         raise ValueError(f"think_limit: expected >= 1, got {think_limit}")
     for i, p in enumerate(prompts):
@@ -255,24 +259,29 @@ def think_then_answer(
     sampling: SamplingParams | None = None,
     carry_state: bool = False,
     think_limit: int = DEFAULT_THINK_LIMIT,
+    seeds: Sequence[ChoiceSeeds] | None = None,
 ) -> list[PhaseResult]:
     """Think on ``think_model`` (at most ``think_cap`` tokens), then answer on ``answer_model``.
 
     ``prompts`` are token ids ending where thinking starts (after the open marker ``<think>``). ``sampling``
-    gives temperature / top-p / seed (its ``stop_ids`` and ``stop`` strings apply to the answer;
-    its ``max_new_tokens`` is ignored). See the module docstring for caps, continuation and carry.
+    gives temperature / top-p (its ``stop_ids`` and ``stop`` strings apply to the answer; its
+    ``max_new_tokens`` is ignored). ``seeds``: each row's phase seeds (a :func:`model.request_plan.plan`
+    choice's); by default every row is choice 0 of a request seeded ``sampling.seed``. See the module
+    docstring for caps, continuation and carry.
     """
     _check(think_cap, answer_max_tokens, think_limit, prompts)
     sampling = sampling or SamplingParams()
     n = len(prompts)
     if n == 0:
         return []
+    if seeds is None:
+        seeds = [ChoiceSeeds.of(sampling.seed)] * n
+    elif len(seeds) != n:
+        raise ValueError(f"seeds: got {len(seeds)} for {n} prompts")
     same = think_model is answer_model
     keep = same or carry_state
     cap = think_limit if think_cap is None else think_cap
-    seed = sampling.seed
-    think_seeds = [row_seed(seed, 2 * i) for i in range(n)] if seed is not None else None
-    answer_seeds = [row_seed(seed, 2 * i + 1) for i in range(n)] if seed is not None else None
+    think_seeds, answer_seeds = decode_seeds(seeds, "think"), decode_seeds(seeds, "answer")
 
     # ---- phase 1: thinking
     outs: list[RowOutput] | None = None
@@ -366,24 +375,20 @@ def budget_control(
     carry_state: bool = False,
     allow_think_larger: bool = False,
     think_limit: int = DEFAULT_THINK_LIMIT,
+    seeds: Sequence[ChoiceSeeds] | None = None,
 ) -> list[PhaseResult]:
     """:func:`think_then_answer` by budget name on a :class:`~model.decode.budget_view.BudgetRegistry`.
 
-    ``think_budget == answer_budget`` is standard budget control; otherwise elastic. Raises
-    ``ValueError`` naming the field for an unknown budget or a bad cap, and for a thinking budget
-    larger (by active parameters) than the answering one unless ``allow_think_larger``.
+    ``think_budget == answer_budget`` is standard budget control; otherwise elastic. Raises a
+    ``ValueError`` (:class:`~model.request_plan.PlanError`) naming the field for an unknown budget or a
+    bad cap, and for a thinking budget larger (by active parameters) than the answering one unless
+    ``allow_think_larger``. ``seeds``: as :func:`think_then_answer`.
     """
-    registry.check(think_budget, "think_budget")
-    registry.check(answer_budget, "answer_budget")
+    check_budgets(think_budget, answer_budget, Limits(registry.active_params, allow_think_larger), _FIELDS)
     _check(think_cap, answer_max_tokens, think_limit, prompts)
-    size_t, size_a = registry.active_params[think_budget], registry.active_params[answer_budget]
-    if size_t > size_a and not allow_think_larger:
-        raise ValueError(
-            f"think_budget {think_budget!r} ({size_t:,} active parameters) is larger than answer_budget "
-            f"{answer_budget!r} ({size_a:,}); set allow_think_larger=True to allow it"
-        )
     think_model = registry.get(think_budget)
     answer_model = think_model if think_budget == answer_budget else registry.get(answer_budget)
     return think_then_answer(
-        think_model, answer_model, tokens, prompts, think_cap, answer_max_tokens, sampling, carry_state, think_limit
-    )
+        think_model, answer_model, tokens, prompts, think_cap, answer_max_tokens, sampling, carry_state, think_limit,
+        seeds,
+    )  # fmt: skip

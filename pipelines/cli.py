@@ -9,6 +9,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from components.data.inherit import Inherited
+    from components.parent import ParentTrainConfig
+    from components.rank import RankConfig
 
 
 def _load_yaml(path: str | None) -> dict:
@@ -18,28 +24,60 @@ def _load_yaml(path: str | None) -> dict:
     return read_yaml(path) if path else {}
 
 
-def _cmd_parent_train(args: argparse.Namespace) -> int:
+def _is_pipeline_yaml(raw: dict) -> bool:
+    """Whether a YAML mapping is a pipeline config (any top-level key of one) rather than one stage's fields."""
+    from pipelines.config import PipelineConfig
+
+    keys = {f.alias or name for name, f in PipelineConfig.model_fields.items()} | set(PipelineConfig.model_fields)
+    return bool(keys & set(raw))
+
+
+def _inherited(raw: dict) -> tuple[Inherited, list[str]]:
+    """A pipeline YAML's top-level ``data`` / ``markers`` and one line per problem in them (nothing else of the
+    pipeline is validated: a subcommand needs only its section)."""
     from pydantic import ValidationError
 
-    from components.parent import ParentTrainConfig, train_parent
-    from components.tracking import make_tracker
+    from components.data.inherit import Inherited
+    from pipelines.config import PipelineConfig, describe
+
+    try:
+        return Inherited.of(raw), []
+    except ValidationError as err:
+        return Inherited(), describe(err, model=PipelineConfig)
+
+
+def parent_train_config(args: argparse.Namespace) -> ParentTrainConfig:
+    """``parent train``'s config: the pipeline's parent stage builds it (:func:`pipelines.sections.parent_train_config`,
+    the top-level data and markers inherited) from ``--config``'s ``parent.train`` section, or from a YAML of
+    ParentTrainConfig fields; then the flags."""
+    from pydantic import ValidationError
+
+    from components.data.inherit import Inherited
+    from components.parent import ParentTrainConfig
     from pipelines.config import ConfigError, PipelineConfig, describe
+    from pipelines.sections import parent_train_config as build
 
     raw = _load_yaml(args.config)
-    prefix: tuple[str, ...] = ()
-    if "parent" in raw:  # a pipeline YAML: its parent.train section
-        raw, prefix = dict((raw["parent"] or {}).get("train") or {}), ("parent", "train")
-    if args.out:
-        raw["output_dir"] = args.out
-    if args.steps:
-        raw["steps"] = args.steps
-    if args.threads:
-        raw["threads"] = args.threads
+    inherit, problems, prefix = Inherited(), [], ()
+    if _is_pipeline_yaml(raw):  # a pipeline YAML: its parent.train section
+        inherit, problems = _inherited(raw)
+        raw, prefix = dict((raw.get("parent") or {}).get("train") or {}), ("parent", "train")
+    flags = {"output_dir": args.out, "steps": args.steps, "threads": args.threads}
     try:
-        cfg = ParentTrainConfig(**raw)
+        cfg = build(raw, inherit, **{k: v for k, v in flags.items() if v})
     except ValidationError as err:  # one line per problem, at its path in the pipeline YAML
         model = PipelineConfig if prefix else ParentTrainConfig  # the class the paths start from
-        raise ConfigError(args.config or "parent train", describe(err, prefix, model)) from None
+        problems = describe(err, prefix, model) + problems
+    if problems:
+        raise ConfigError(args.config or "parent train", problems)
+    return cfg
+
+
+def _cmd_parent_train(args: argparse.Namespace) -> int:
+    from components.parent import train_parent
+    from components.tracking import make_tracker
+
+    cfg = parent_train_config(args)
     tracker = make_tracker(args.tracking_uri, "star-elastic-parent", run_name="parent-train")
     metrics = train_parent(cfg, tracker)
     tracker.finish()
@@ -54,26 +92,39 @@ def _cmd_example_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_rank(args: argparse.Namespace) -> int:
-    """Rank and permute a parent: the pipeline's ``rank`` section (or a bare RankConfig mapping) + flags."""
+def rank_config(args: argparse.Namespace) -> RankConfig:
+    """``rank``'s config: the pipeline's rank stage builds it (:func:`pipelines.sections.rank_config`, the
+    calibration inheriting the top-level data and markers) from ``--config``'s ``rank`` section, or from a YAML
+    of RankConfig fields; then ``--set`` on that section, ``--parent`` and ``--out``."""
     from pydantic import ValidationError
 
-    from components.rank import RankConfig, run_rank
-    from components.tracking import make_tracker
+    from components.data.inherit import Inherited
+    from components.rank import RankConfig
     from pipelines.config import ConfigError, apply_overrides, describe
+    from pipelines.sections import rank_config as build
 
     raw = _load_yaml(args.config)
-    if "rank" in raw or "run_name" in raw:  # a pipeline YAML: take its rank section
+    inherit, problems = Inherited(), []
+    if _is_pipeline_yaml(raw):  # a pipeline YAML: take its rank section
+        inherit, problems = _inherited(raw)
         raw = dict(raw.get("rank") or {})
-    if args.parent:
-        raw["parent_uri"] = args.parent
-    if args.out:
-        raw["output_dir"] = args.out
     apply_overrides(raw, args.set or [])
+    flags = {"parent_uri": args.parent, "output_dir": args.out}
     try:
-        cfg = RankConfig(**raw)
+        cfg = build(raw, inherit, **{k: v for k, v in flags.items() if v})
     except ValidationError as err:  # one line per problem, like the pipeline's config
-        raise ConfigError(args.config or "rank", describe(err, model=RankConfig)) from None
+        problems = describe(err, model=RankConfig) + problems
+    if problems:
+        raise ConfigError(args.config or "rank", problems)
+    return cfg
+
+
+def _cmd_rank(args: argparse.Namespace) -> int:
+    """Rank and permute a parent: the pipeline's ``rank`` section (or a bare RankConfig mapping) + flags."""
+    from components.rank import run_rank
+    from components.tracking import make_tracker
+
+    cfg = rank_config(args)
     tracker = make_tracker(args.tracking_uri, "star-elastic-rank", run_name="rank")
     try:
         out = run_rank(cfg, tracker)
@@ -85,6 +136,8 @@ def _cmd_rank(args: argparse.Namespace) -> int:
 
 def _cmd_extract(args: argparse.Namespace) -> int:
     """Any nested checkpoint the pipeline writes: dense (export) or FP8 / NVFP4 (quantize), local or s3://."""
+    import torch
+
     from components.storage import materialize
 
     folder = materialize(args.checkpoint)
@@ -92,15 +145,19 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     if not config.is_file():
         raise FileNotFoundError(f"{args.checkpoint}: not a checkpoint folder (no config.json)")
     algo = (json.loads(config.read_text(encoding="utf-8")).get("quantization_config") or {}).get("quant_algo")
+    shards = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
     if algo:  # the quantize stage's output: slice the quantized tensors, never requantize
         from model.quant.nesting import extract_quantized_budget
 
-        out = extract_quantized_budget(folder, args.budget, args.out)
+        if args.dtype:
+            raise ValueError(f"--dtype: {args.checkpoint} is {algo}-quantized; its tensors are written as they are")
+        out = extract_quantized_budget(folder, args.budget, args.out, **shards)
         what = f"{algo} nemotron_h checkpoint"
     else:
         from model.elastic.export import extract_budget
 
-        out = extract_budget(folder, args.budget, args.out)
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        out = extract_budget(folder, args.budget, args.out, dtype=dtype, **shards)
         what = "nemotron_h checkpoint"
     print(f"wrote budget {args.budget!r} as a standalone {what}: {out}")
     return 0
@@ -108,18 +165,18 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """Check everything first (one line per problem, exit 2); then print the plan (--dry-run) or run."""
-    from pipelines.preflight import dry_run, pipeline_problems, report
+    from pipelines.preflight import check_pipeline, dry_run, report
 
     overrides = args.set or []
     if args.dry_run:
         return dry_run(args.config, overrides, args.only, args.from_stage)
-    _, problems = pipeline_problems(args.config, overrides, args.only, args.from_stage)
-    if problems:
-        report(problems)
+    checked = check_pipeline(args.config, overrides, args.only, args.from_stage)
+    if checked.problems:
+        report(checked.problems)
         return 2
     from pipelines.run import run_pipeline
 
-    return run_pipeline(args.config, overrides=overrides, force_from=args.from_stage, only=args.only)
+    return run_pipeline(args.config, overrides, force_from=args.from_stage, only=args.only, checked=checked)
 
 
 def _cmd_kfp_compile(args: argparse.Namespace) -> int:
@@ -186,12 +243,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = args.config
     if args.model_uri.startswith("models:/"):  # the pipeline's store by default; a bad URI fails here, before Ray
-        from components.register import find_model_version, registry_tracking_uri
+        from components.register import find_model_version, registry_store
         from components.serving.config import load_config
 
         config = load_config(args.config)
-        config = config.model_copy(update={"tracking_uri": registry_tracking_uri(config.tracking_uri)})
-        find_model_version(args.model_uri, config.tracking_uri, config.format)
+        store = registry_store(config.tracking_uri)
+        config = config.model_copy(update={"tracking_uri": store.tracking_uri})
+        find_model_version(args.model_uri, store.tracking_uri, config.format, store.registry_uri)
     serve_foreground(args.model_uri, port=args.port, config=config, host=args.host, check=False)
     return 0
 
@@ -289,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("checkpoint", help="nested checkpoint folder (export or quantize output) or s3:// prefix")
     extract.add_argument("--budget", required=True, help="budget name (see config.json 'elastic')")
     extract.add_argument("--out", required=True, help="output folder for the standalone checkpoint")
+    extract.add_argument(
+        "--max-shard-size",
+        default=None,
+        help="largest weight file before sharding with an index, as save_pretrained ('5GB', '500MB'; default 50GB)",
+    )
+    extract.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="dense: write in this dtype"
+    )
     extract.set_defaults(func=_cmd_extract)
 
     from pipelines.plan_cli import add_plan_parser

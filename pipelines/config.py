@@ -42,6 +42,7 @@ from components.quantize import QuantizeConfig
 from components.rank import RankConfig
 from components.register import RegisterConfig
 from components.serving.config import ServingConfig
+from components.settings import MlflowStore, mlflow_store
 from components.stage_task import TaskResources
 from model.elastic.budgets import Budget, BudgetSet
 from model.elastic.space import AXES, ElasticSpace
@@ -59,7 +60,7 @@ class ConfigError(ValueError):
 class ExportStageConfig(BaseModel):
     """Settings of the export stage: one nested checkpoint from the phase-2 student and router."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     distill_dir: str = Field(description="The phase-2 output folder (student + router).")
     output_dir: str = Field(description="Where the one nested checkpoint is written.")
@@ -187,7 +188,9 @@ class PipelineConfig(BaseModel):
     run_name: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Folder name under runs_dir.")
     runs_dir: str = Field("runs", min_length=1, description="Where every run writes (checkpoints, MLflow store).")
     tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; default sqlite:///<runs_dir>/mlflow.db (MLFLOW_TRACKING_URI wins)."
+        None,
+        description="MLflow tracking URI (and registry); it wins over MLFLOW_TRACKING_URI, which wins over the "
+        "default sqlite:///<runs_dir>/mlflow.db.",
     )
     experiment: str = Field("star-elastic", min_length=1, description="MLflow experiment name.")
     storage_uri: str | None = Field(
@@ -249,14 +252,11 @@ class PipelineConfig(BaseModel):
     def run_dir(self) -> Path:
         return Path(self.runs_dir) / self.run_name
 
-    def resolved_tracking_uri(self) -> str:
-        import os
-
-        if os.environ.get("MLFLOW_TRACKING_URI"):
-            return os.environ["MLFLOW_TRACKING_URI"]
-        if self.tracking_uri:
-            return self.tracking_uri
-        return f"sqlite:///{Path(self.runs_dir).resolve() / 'mlflow.db'}"
+    def mlflow_store(self) -> MlflowStore:
+        """Where this run logs and registers: ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else
+        ``sqlite:///<runs_dir>/mlflow.db`` (the rule of :mod:`components.settings`)."""
+        default = f"sqlite:///{Path(self.runs_dir).resolve() / 'mlflow.db'}"
+        return mlflow_store(self.tracking_uri, default=default)
 
 
 def cross_section_problems(cfg: PipelineConfig) -> list[str]:

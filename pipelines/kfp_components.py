@@ -203,18 +203,18 @@ def find_pipeline_run(client: Any, experiment: str, run_key: str) -> str | None:
 
 def _pipeline_tracker(cfg: Any, config_path: Path, run_key: str | None, config_file: str | None) -> Any:
     """The MLflow parent run of this pipeline execution: the one tagged ``run_key``, else a new one."""
-    from mlflow.tracking import MlflowClient
-
     from components.tracking import MlflowTracker
     from pipelines.run import pipeline_tags
 
-    uri = cfg.resolved_tracking_uri()
+    store = cfg.mlflow_store()
+    uri, registry = store.tracking_uri, store.registry_uri
     if run_key:
-        run_id = find_pipeline_run(MlflowClient(tracking_uri=uri), cfg.experiment, run_key)
+        run_id = find_pipeline_run(store.client(), cfg.experiment, run_key)
         if run_id:
-            return MlflowTracker(uri, cfg.experiment, run_id=run_id)
+            return MlflowTracker(uri, cfg.experiment, run_id=run_id, registry_uri=registry)
     # Parallel first steps could both create one; the DAG has a single root, which runs alone.
-    tracker = MlflowTracker(uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_name = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    tracker = MlflowTracker(uri, cfg.experiment, run_name=run_name, registry_uri=registry)
     tracker.set_tags(pipeline_tags(cfg, config_file) | ({RUN_KEY_TAG: run_key} if run_key else {}))
     tracker.log_params({"pipeline": cfg.model_dump(mode="json", by_alias=True)})
     tracker.log_artifact(config_path, "config")

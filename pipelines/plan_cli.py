@@ -4,8 +4,8 @@ The plan needs only the parent's ``config.json``. It is read from ``--parent-con
 checkpoint folder), else from the pipeline's ``parent.uri`` (a local folder, or just that one object
 of an ``s3://`` prefix), else from ``pipelines/assets/parent-configs/<last part of parent.uri>.json``:
 copies of the configs of the parents the shipped pipeline configs name, so a team can plan without
-credentials for the bucket. Each distillation section is validated as the stage would validate it
-(defaults filled in), so the plan sees exactly the phase that would run.
+credentials for the bucket. Each distillation phase's config is built by the pipeline's own stage
+(defaults filled in, data inherited), so the plan sees exactly the phase that would run.
 """
 
 from __future__ import annotations
@@ -99,26 +99,13 @@ def _fetch_s3_config(uri: str) -> Path | None:
         return None
 
 
-PHASES = ((1, "distill_phase1"), (2, "distill_phase2"))
-
-
 def distill_configs(pipeline: Any) -> dict[str, Any]:
-    """Each distillation section as the stage would validate it (a DistillConfig, defaults filled in), by name."""
-    from components.distill.config import DistillConfig
+    """Each distillation phase's config (a DistillConfig) as the pipeline's own stage builds it, by name."""
+    from pipelines.runner import StageContext
+    from pipelines.stages import build_distill1, build_distill2
 
-    configs = {}
-    for phase, name in PHASES:
-        placeholders = {
-            "phase": phase,
-            "teacher_uri": "plan://teacher",
-            "output_dir": "plan-output",
-            "space": pipeline.elastic.space,
-            "budgets": pipeline.elastic.budgets,
-        }
-        if phase == 2:
-            placeholders["init_from"] = "plan://phase1"
-        configs[name] = DistillConfig(**{**placeholders, **dict(getattr(pipeline, name))})
-    return configs
+    builders = {"distill_phase1": build_distill1, "distill_phase2": build_distill2}
+    return {name: build(StageContext(pipeline, pipeline.run_dir, name)) for name, build in builders.items()}
 
 
 def phase_shapes(pipeline: Any, checkpointing: bool | None = None, kd_chunk: int | None = None) -> list[Any]:

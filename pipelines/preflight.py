@@ -10,6 +10,8 @@ Design choices:
   architecture (a local parent's ``config.json``, or ``parent.train.architecture`` when the parent
   is trained here; an s3:// parent is checked by the rank stage, which reads it), the URIs, and the
   stage names given to ``--only`` / ``--from``.
+* Every stage's config is built once (:func:`pipelines.runner.resolve_configs`) and handed on in a
+  frozen :class:`Preflight`, so ``run`` plans and runs the very configs that were checked.
 * Nothing here starts Ray, opens MLflow or writes a file.
 """
 
@@ -21,11 +23,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from model.config import HybridConfig
 from pipelines.config import FILLED, ConfigError, PipelineConfig, describe, load_pipeline_config
-from pipelines.runner import PipelineRunner, StageContext, StageSpec
+from pipelines.runner import PipelineRunner, StageSpec, resolve_configs
 
 
 def _yaml_location(section: str, loc: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -40,16 +42,25 @@ def _one_line(err: BaseException) -> str:
     return "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
 
 
-def stage_config_problems(cfg: PipelineConfig, stages: Sequence[StageSpec]) -> list[str]:
-    """Build every stage's config from its section; one line per problem, at its YAML path."""
+class Preflight(BaseModel):
+    """What the checks found: the validated config, every stage's config built from it, and the problems."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    config: PipelineConfig | None = Field(None, description="The validated pipeline config (None: it is invalid).")
+    stage_configs: dict[str, BaseModel] = Field(default_factory=dict, description="Stage name -> its config.")
+    problems: list[str] = Field(default_factory=list, description="One line per problem, at its YAML path.")
+
+
+def stage_configs(cfg: PipelineConfig, stages: Sequence[StageSpec]) -> tuple[dict[str, BaseModel], list[str]]:
+    """Build every stage's config from its section: (the configs built, one line per problem at its YAML path)."""
+    configs, errors = resolve_configs(stages, cfg, cfg.run_dir)
     problems: list[str] = []
-    for spec in stages:
-        try:
-            spec.build(StageContext(cfg, cfg.run_dir, spec.name))
-        except ValidationError as err:
-            problems += describe(err, relocate=functools.partial(_yaml_location, spec.name))
-        except (ValueError, TypeError, FileNotFoundError) as err:
-            problems.append(f"{spec.name}: {_one_line(err)}")
+    for name, err in errors.items():
+        if isinstance(err, ValidationError):
+            problems += describe(err, relocate=functools.partial(_yaml_location, name))
+        else:
+            problems.append(f"{name}: {_one_line(err)}")
     if "evaluate" in cfg.quantize.model_fields_set and cfg.quantize.evaluate is not None:
         from components.evaluate import EvalConfig
 
@@ -57,7 +68,12 @@ def stage_config_problems(cfg: PipelineConfig, stages: Sequence[StageSpec]) -> l
             EvalConfig(**{"checkpoint_uri": "-", "output_dir": "-", **cfg.quantize.evaluate})
         except ValidationError as err:
             problems += describe(err, ("quantize", "evaluate"), EvalConfig)
-    return problems
+    return configs, problems
+
+
+def stage_config_problems(cfg: PipelineConfig, stages: Sequence[StageSpec]) -> list[str]:
+    """One line per problem in building every stage's config, at its YAML path."""
+    return stage_configs(cfg, stages)[1]
 
 
 def parent_architecture(cfg: PipelineConfig) -> tuple[HybridConfig | None, list[str]]:
@@ -201,14 +217,14 @@ def stage_name_problems(stages: Sequence[StageSpec], only: Sequence[str] | None,
     return problems
 
 
-def pipeline_problems(
+def check_pipeline(
     config_path: str | Path,
     overrides: Sequence[str] = (),
     only: Sequence[str] | None = None,
     force_from: str | None = None,
     stages: Sequence[StageSpec] | None = None,
-) -> tuple[PipelineConfig | None, list[str]]:
-    """(the validated config or None, one line per problem); nothing is run or written."""
+) -> Preflight:
+    """Every check, and the stage configs built on the way; nothing is run or written."""
     if stages is None:
         from pipelines.stages import pipeline_stages
 
@@ -217,8 +233,8 @@ def pipeline_problems(
     try:
         cfg = load_pipeline_config(config_path, overrides)
     except ConfigError as err:
-        return None, err.problems + names
-    problems = stage_config_problems(cfg, stages)
+        return Preflight(problems=err.problems + names)
+    configs, problems = stage_configs(cfg, stages)
     parent, found = parent_architecture(cfg)
     problems += found
     if parent is not None:
@@ -226,7 +242,19 @@ def pipeline_problems(
         problems += elastic_problems(cfg, parent, reachability=known_vocab)
     problems += uri_problems(cfg)
     problems += data_problems(cfg)
-    return cfg, problems + names
+    return Preflight(config=cfg, stage_configs=configs, problems=problems + names)
+
+
+def pipeline_problems(
+    config_path: str | Path,
+    overrides: Sequence[str] = (),
+    only: Sequence[str] | None = None,
+    force_from: str | None = None,
+    stages: Sequence[StageSpec] | None = None,
+) -> tuple[PipelineConfig | None, list[str]]:
+    """(the validated config or None, one line per problem) of :func:`check_pipeline`."""
+    checked = check_pipeline(config_path, overrides, only, force_from, stages)
+    return checked.config, checked.problems
 
 
 def report(problems: Sequence[str], stream: Any = None) -> None:
@@ -243,15 +271,16 @@ def dry_run(
     stages: Sequence[StageSpec] | None = None,
 ) -> int:
     """``run --dry-run``: 0 and the plan on stdout, or 2 and one line per problem on stderr."""
-    cfg, problems = pipeline_problems(config_path, overrides, only, force_from, stages)
-    if problems or cfg is None:
-        report(problems)
-        return 2
     if stages is None:
         from pipelines.stages import pipeline_stages
 
         stages = pipeline_stages()
-    plan = PipelineRunner(list(stages), cfg, cfg.run_dir).plan(force_from)
+    checked = check_pipeline(config_path, overrides, only, force_from, stages)
+    cfg = checked.config
+    if checked.problems or cfg is None:
+        report(checked.problems)
+        return 2
+    plan = PipelineRunner(list(stages), cfg, cfg.run_dir, checked.stage_configs).plan(force_from)
     shown = [(name, what) for name, what in plan if only is None or name in only]
     print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in shown))
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 
 from pipelines.config import PipelineConfig, load_pipeline_config
 from pipelines.errors import machine_fault
+from pipelines.preflight import Preflight
 from pipelines.runner import PipelineRunner, StageFailed, run_folder_lock
 from pipelines.stages import pipeline_stages
 
@@ -140,9 +141,15 @@ def run_pipeline(
     force_from: str | None = None,
     dry_run: bool = False,
     only: list[str] | None = None,
+    checked: Preflight | None = None,
 ) -> int:
-    cfg = load_pipeline_config(config_path, overrides)
-    runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir)
+    """Run the pipeline of ``config_path`` (with ``overrides``); ``checked``: what preflight found for that same
+    config and these stages, whose stage configs are then used as they are (none is built again)."""
+    if checked is not None and checked.config is not None:
+        cfg, configs = checked.config, checked.stage_configs
+    else:
+        cfg, configs = load_pipeline_config(config_path, overrides), None
+    runner = PipelineRunner(pipeline_stages(), cfg, cfg.run_dir, configs)
     plan = runner.plan(force_from)
     print(f"pipeline {cfg.run_name}: " + ", ".join(f"{name} ({what})" for name, what in plan))
     runner.check_only(only, dict(plan))
@@ -165,8 +172,10 @@ def _run_locked(
     """The pipeline's execution while this process holds the run folder's lock."""
     from components.tracking import MlflowTracker
 
-    tracking_uri = cfg.resolved_tracking_uri()
-    tracker = MlflowTracker(tracking_uri, cfg.experiment, run_name=f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    store = cfg.mlflow_store()
+    tracking_uri = store.tracking_uri
+    run_name = f"{cfg.run_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    tracker = MlflowTracker(tracking_uri, cfg.experiment, run_name=run_name, registry_uri=store.registry_uri)
     # Whatever ends the run early (Ray failing to start, a bad --only, Ctrl-C, SIGTERM, which Ray's driver
     # turns into SystemExit) ends the MLflow run FAILED or KILLED with the error, never leaves it RUNNING.
     # A SIGKILL or a lost node cannot: the next execution in the same folder (which holds its lock, so no live

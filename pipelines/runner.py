@@ -16,7 +16,9 @@ is cleared. A changed key (config or upstream changed) or ``force_from`` starts 
 and the log says why.
 
 Output folders are deterministic, so every stage's config — including the URIs
-of its upstream outputs — is built and validated before the first stage starts.
+of its upstream outputs — is built and validated before the first stage starts,
+once (:func:`resolve_configs`): preflight hands the configs it checked to the
+runner, which plans, keys and runs with those same objects.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import shutil
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +132,21 @@ def prepare_folder(spec: StageSpec, folder: Path, key: str, forced: bool) -> str
     return why
 
 
+def resolve_configs(
+    stages: Sequence[StageSpec], pipeline_config: Any, run_dir: Path
+) -> tuple[dict[str, BaseModel], dict[str, Exception]]:
+    """Every stage's config from its own ``build``, and the error of each stage whose config does not build
+    (a ``ValueError``, pydantic's ``ValidationError`` included, ``TypeError`` or ``FileNotFoundError``)."""
+    configs: dict[str, BaseModel] = {}
+    errors: dict[str, Exception] = {}
+    for spec in stages:
+        try:
+            configs[spec.name] = spec.build(StageContext(pipeline_config, Path(run_dir), spec.name))
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            errors[spec.name] = err
+    return configs, errors
+
+
 def topological(stages: list[StageSpec]) -> list[StageSpec]:
     """Stages in dependency order; unknown dependencies and cycles are errors."""
     by_name = {s.name: s for s in stages}
@@ -157,26 +174,36 @@ def topological(stages: list[StageSpec]) -> list[StageSpec]:
 
 
 class PipelineRunner:
-    """Runs stages in order, skipping those whose key matches their recorded marker."""
+    """Runs stages in order, skipping those whose key matches their recorded marker.
 
-    def __init__(self, stages: list[StageSpec], pipeline_config: Any, run_dir: Path) -> None:
+    ``configs``: every stage's config as :func:`resolve_configs` built it for ``pipeline_config`` (preflight's);
+    None: built on first use. Either way they are built once per runner.
+    """
+
+    def __init__(
+        self,
+        stages: list[StageSpec],
+        pipeline_config: Any,
+        run_dir: Path,
+        configs: Mapping[str, BaseModel] | None = None,
+    ) -> None:
         self.stages = topological(stages)
         self.config = pipeline_config
         self.run_dir = Path(run_dir)
+        self._configs = dict(configs) if configs is not None else None
 
     def build_configs(self) -> dict[str, BaseModel]:
-        """Validate every stage's config up front; raise one error listing every problem."""
-        configs: dict[str, BaseModel] = {}
-        problems: list[str] = []
-        for spec in self.stages:
-            ctx = StageContext(self.config, self.run_dir, spec.name)
-            try:
-                configs[spec.name] = spec.build(ctx)
-            except (ValueError, TypeError, FileNotFoundError) as err:
-                problems.append(f"{spec.name}: {err}")
-        if problems:
-            raise ValueError("pipeline config is invalid:\n  " + "\n  ".join(problems))
-        return configs
+        """Every stage's validated config (built on the first call); one error listing every problem otherwise."""
+        if self._configs is None:
+            configs, errors = resolve_configs(self.stages, self.config, self.run_dir)
+            if errors:
+                problems = [f"{name}: {err}" for name, err in errors.items()]
+                raise ValueError("pipeline config is invalid:\n  " + "\n  ".join(problems))
+            self._configs = configs
+        missing = [s.name for s in self.stages if s.name not in self._configs]
+        if missing:
+            raise ValueError(f"no config for stages {missing}")
+        return dict(self._configs)
 
     def keys(self, configs: dict[str, BaseModel]) -> dict[str, str]:
         keys: dict[str, str] = {}

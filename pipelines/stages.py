@@ -1,8 +1,9 @@
 """The stages of the pipeline: adapters from the pipeline config to each component's config and function.
 
-Each adapter's ``build`` returns the stage's validated config using the
-deterministic folders of upstream stages; ``run`` calls the component and
-returns JSON-able outputs (URIs and metrics) recorded in the stage marker.
+Each adapter's ``build`` returns the stage's validated config: the stage's function of
+:mod:`pipelines.sections` (the one place a section is resolved, inheritance included) given the
+deterministic folders of upstream stages; ``run`` calls the component and returns JSON-able
+outputs (URIs and metrics) recorded in the stage marker.
 
 The driver holds no model. Export, evaluate, quantize and register run their component as a Ray
 task with the resources of their section's ``resources`` (:mod:`components.stage_task`); their
@@ -19,32 +20,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from components.stage_task import TaskResources, run_task
+from components.stage_task import run_task
 from components.tracking import MlflowTracker, Tracker
+from pipelines import sections
 from pipelines.config import ExportStageConfig, PipelineConfig
 from pipelines.runner import StageContext, StageSpec
-
-
-def _merge(base: dict[str, Any], section: dict[str, Any]) -> dict[str, Any]:
-    """``section`` over ``base`` (one level deep for nested dicts)."""
-    out = dict(base)
-    for k, v in section.items():
-        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def _inherit(cfg: PipelineConfig, section: dict[str, Any], *, calibration: bool = False) -> dict[str, Any]:
-    """``section`` with the pipeline's top-level ``data`` and ``markers`` filled in where it sets neither.
-
-    A calibration (rank, quantize) packs the rows: padding would dilute its statistics.
-    """
-    out = dict(section)
-    if cfg.data is not None and "data" not in out:
-        data = cfg.data.model_copy(update={"pack": True}) if calibration else cfg.data
-        out["data"] = data.model_dump(mode="json")
-    if cfg.markers is not None and "markers" not in out:
-        out["markers"] = cfg.markers.model_dump()
-    return out
+from pipelines.sections import inherited
 
 
 # ---------------------------------------------------------------------- parent
@@ -62,10 +43,8 @@ def build_parent(ctx: StageContext) -> BaseModel:
     cfg: PipelineConfig = ctx.pipeline
     if cfg.parent.uri:
         return ParentStageConfig(uri=cfg.parent.uri)
-    from components.parent import ParentTrainConfig
-
-    section = _inherit(cfg, cfg.parent.train.model_dump(exclude_unset=True))
-    train = ParentTrainConfig(**section, output_dir=str(_parent_dir(ctx)))
+    section = cfg.parent.train.model_dump(exclude_unset=True)
+    train = sections.parent_train_config(section, inherited(cfg), output_dir=str(_parent_dir(ctx)))
     return ParentStageConfig(train=train.model_dump())
 
 
@@ -125,11 +104,10 @@ def parent_uri(ctx: StageContext) -> str:
 
 # ---------------------------------------------------------------------- rank
 def build_rank(ctx: StageContext) -> BaseModel:
-    from components.rank import RankConfig
-
     section = ctx.pipeline.rank.model_dump(exclude_unset=True)
-    section["calibration"] = _inherit(ctx.pipeline, section.get("calibration") or {}, calibration=True)
-    return RankConfig(parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve()), **section)
+    return sections.rank_config(
+        section, inherited(ctx.pipeline), parent_uri=parent_uri(ctx), output_dir=str(ctx.dir().resolve())
+    )
 
 
 def run_rank_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
@@ -157,8 +135,6 @@ def _student_dir(ctx: StageContext, stage: str) -> str:
 
 
 def _distill_config(ctx: StageContext, phase: int, section: BaseModel) -> BaseModel:
-    from components.distill.config import DistillConfig
-
     cfg: PipelineConfig = ctx.pipeline
     base: dict[str, Any] = {
         "phase": phase,
@@ -174,7 +150,7 @@ def _distill_config(ctx: StageContext, phase: int, section: BaseModel) -> BaseMo
         base["storage_path"] = f"{cfg.storage_uri.rstrip('/')}/{cfg.run_name}/ray/{ctx.name}"
     else:
         base["storage_path"] = str((ctx.dir() / CHECKPOINTS).resolve())
-    return DistillConfig(**_merge(base, _inherit(cfg, section.model_dump(exclude_unset=True))))
+    return sections.distill_config(section.model_dump(exclude_unset=True), inherited(cfg), **base)
 
 
 def build_distill1(ctx: StageContext) -> BaseModel:
@@ -197,10 +173,10 @@ def run_distill_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> di
 
 # ---------------------------------------------------------------------- export
 def build_export(ctx: StageContext) -> BaseModel:
-    return ExportStageConfig(
+    return sections.export_config(
+        ctx.pipeline.export.model_dump(exclude_unset=True),
         distill_dir=_student_dir(ctx, "distill_phase2"),
         output_dir=str((ctx.dir() / "nested").resolve()),
-        **ctx.pipeline.export.model_dump(exclude_unset=True),
     )
 
 
@@ -237,30 +213,14 @@ def _nested_dir(ctx: StageContext) -> str:
     return str((ctx.dir("export") / "nested").resolve())
 
 
-def task_device(device: str, resources: TaskResources, device_field: str, resources_field: str) -> str:
-    """The evaluation device inside a stage task: ``auto`` is cuda when the task reserves a GPU and cpu
-    otherwise (a CPU task on a GPU node must not use a GPU it did not reserve); cuda without one is refused,
-    naming both fields."""
-    if device == "auto":
-        return "cuda" if resources.num_gpus > 0 else "cpu"
-    if device.startswith("cuda") and resources.num_gpus == 0:
-        raise ValueError(
-            f"{device_field}: {device!r} but the task reserves no GPU; set {resources_field}.num_gpus (e.g. 1), "
-            "or device: auto"
-        )
-    return device
-
-
 def build_evaluate(ctx: StageContext) -> BaseModel:
-    from components.evaluate import EvalConfig
-
-    base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "threads": ctx.pipeline.threads}
-    section = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
-    if ctx.pipeline.markers is not None and "markers" not in section:
-        section["markers"] = ctx.pipeline.markers.model_dump()
-    cfg = EvalConfig(**_merge(base, section))
-    return cfg.model_copy(
-        update={"device": task_device(cfg.device, cfg.resources, "evaluate.device", "evaluate.resources")}
+    cfg: PipelineConfig = ctx.pipeline
+    return sections.evaluate_config(
+        cfg.evaluate.model_dump(exclude_unset=True),
+        inherited(cfg),
+        threads=cfg.threads,
+        checkpoint_uri=_nested_dir(ctx),
+        output_dir=str(ctx.dir().resolve()),
     )
 
 
@@ -290,24 +250,14 @@ def run_evaluate_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
 
 # ---------------------------------------------------------------------- quantize
 def build_quantize(ctx: StageContext) -> BaseModel:
-    from components.quantize import QuantizeConfig
-
-    # recovery needs accuracy per budget only: full thinking, no cap sweep, no elastic pairs; the evaluation
-    # runs inside the quantize task, on its resources
-    evaluate = ctx.pipeline.evaluate.model_dump(exclude_unset=True)
-    ev = {k: v for k, v in evaluate.items() if k not in ("think_caps", "elastic_pairs", "resources")}
-    ev.update({"think_caps": [None], "elastic_pairs": [], "carry_state_compare": False, "progress": False})
-    base = {"checkpoint_uri": _nested_dir(ctx), "output_dir": str(ctx.dir().resolve()), "evaluate": ev}
-    section = ctx.pipeline.quantize.model_dump(exclude_unset=True)
-    section["calibration"] = _inherit(ctx.pipeline, section.get("calibration") or {}, calibration=True)
-    if ctx.pipeline.markers is not None:
-        ev.setdefault("markers", ctx.pipeline.markers.model_dump())
-    cfg = QuantizeConfig(**_merge(base, section))
-    if cfg.evaluate is not None:
-        device = cfg.evaluate.get("device", "auto")
-        device = task_device(device, cfg.resources, "evaluate.device", "quantize.resources")
-        cfg = cfg.model_copy(update={"evaluate": {**cfg.evaluate, "device": device}})
-    return cfg
+    cfg: PipelineConfig = ctx.pipeline
+    return sections.quantize_config(
+        cfg.quantize.model_dump(exclude_unset=True),
+        cfg.evaluate.model_dump(exclude_unset=True),
+        inherited(cfg),
+        checkpoint_uri=_nested_dir(ctx),
+        output_dir=str(ctx.dir().resolve()),
+    )
 
 
 def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:
@@ -327,10 +277,8 @@ def run_quantize_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> d
 
 # ---------------------------------------------------------------------- register
 def build_register(ctx: StageContext) -> BaseModel:
-    from components.register import RegisterConfig
-
     section = ctx.pipeline.registry.model_dump(exclude_unset=True)
-    return RegisterConfig(checkpoint_uri=_nested_dir(ctx), **section)
+    return sections.register_config(section, checkpoint_uri=_nested_dir(ctx))
 
 
 def run_register_stage(cfg: BaseModel, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:

@@ -15,6 +15,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from components.settings import cache_dir as settings_cache_dir
+
 __all__ = ["builder_for", "cache_root", "resolve_files"]
 
 #: File suffix -> the ``datasets`` builder that reads it (``.gz`` compressed files too).
@@ -23,8 +25,9 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 def cache_root(cache_dir: str | None) -> Path:
-    """The local cache folder: ``cache_dir``, else ``$STAR_ELASTIC_CACHE``, else ``~/.cache/star-elastic``."""
-    return Path(cache_dir or os.environ.get("STAR_ELASTIC_CACHE", Path.home() / ".cache" / "star-elastic"))
+    """The local cache folder: ``cache_dir``, else ``$STAR_ELASTIC_CACHE``, else ``~/.cache/star-elastic``
+    (:func:`components.settings.cache_dir`)."""
+    return settings_cache_dir(cache_dir)
 
 
 def _fetch_s3(pattern: str, cache_dir: str | None) -> list[Path]:

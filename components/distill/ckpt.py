@@ -55,6 +55,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
+from components.settings import S3Settings, from_environment
+
 ROUTER_FILE = "router.safetensors"
 STATE_FILE = "state.json"
 DS_DIR = "deepspeed"
@@ -341,37 +343,33 @@ def consolidate(
 
 
 # ---------------------------------------------------------------------- storage
-def storage_target(uri: str) -> tuple[str, Any]:
+def storage_target(uri: str, s3: S3Settings | None = None) -> tuple[str, Any]:
     """``(storage_path, storage_filesystem)`` for Ray Train's ``RunConfig``.
 
-    Local paths pass through (made absolute). ``s3://bucket/prefix`` gets a pyarrow
-    ``S3FileSystem`` built from the standard AWS variables plus ``AWS_ENDPOINT_URL(_S3)`` (needed for
-    S3-compatible servers, which pyarrow does not read by itself), and the path loses its scheme, as
-    Ray expects when a filesystem is given. The filesystem (credentials included) is pickled to the
-    Ray Train controller and workers.
-
-    S3-compatible servers: the AWS C++ SDK inside pyarrow sends checksummed ``aws-chunked`` uploads by
-    default, which some servers (SeaweedFS, older MinIO / Ceph) reject or store verbatim. Set
-    ``AWS_REQUEST_CHECKSUM_CALCULATION=when_required`` in the environment the Ray cluster starts with;
-    this function sets it (if unset) for the driver process, which reads the final checkpoint.
+    Local paths pass through (made absolute). ``s3://bucket/prefix`` with an S3-compatible endpoint gets a
+    pyarrow ``S3FileSystem`` built from ``s3`` (default: :mod:`components.settings` from the environment:
+    endpoint, credentials, region; pyarrow does not read the endpoint by itself), and the path loses its
+    scheme, as Ray expects when a filesystem is given. The filesystem (credentials included) is pickled to
+    the Ray Train controller and workers. Nothing is written to the environment: the checksum setting an
+    S3-compatible server needs for uploads reaches the workers through their runtime environment
+    (:meth:`~components.settings.S3Settings.checksum_env`, see :func:`components.distill.stage.build_trainer`).
     """
     if not uri.startswith("s3://"):
         return str(Path(uri).expanduser().resolve()), None
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if not endpoint:
+    s3 = s3 or from_environment().s3
+    if not s3.endpoint_url:
         return uri, None  # real AWS: Ray resolves s3:// itself from the environment
-    os.environ.setdefault("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
-    os.environ.setdefault("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
     from urllib.parse import urlparse
 
     import pyarrow.fs
 
-    parsed = urlparse(endpoint)
+    parsed = urlparse(s3.endpoint_url)
     fs = pyarrow.fs.S3FileSystem(
-        access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
-        secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
-        region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
-        endpoint_override=parsed.netloc or endpoint,
+        access_key=s3.access_key_id,
+        secret_key=s3.secret_access_key,
+        session_token=s3.session_token,
+        region=s3.region or "us-east-1",
+        endpoint_override=parsed.netloc or s3.endpoint_url,
         scheme=parsed.scheme or "https",
     )
     return uri[len("s3://") :], fs

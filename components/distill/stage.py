@@ -50,6 +50,7 @@ from components.distill.config import (
     with_router_schedule,
     with_run_name,
 )
+from components.settings import from_environment
 from components.stage_task import run_task
 from components.tracking import NullTracker, Tracker
 from model.config import HybridConfig
@@ -96,7 +97,8 @@ def build_trainer(config: DistillConfig):
 
     from components.distill.worker import train_loop_per_worker
 
-    storage_path, filesystem = ckpt.storage_target(config.resolved_storage_path())
+    s3 = from_environment().s3
+    storage_path, filesystem = ckpt.storage_target(config.resolved_storage_path(), s3)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config=to_worker_dict(config),
@@ -108,8 +110,9 @@ def build_trainer(config: DistillConfig):
             failure_config=FailureConfig(max_failures=config.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             # Inside a Ray worker sys.stdout is Ray's wrapper, so Ray Train's print patch writes every print
-            # twice (the print itself, then a log record of it); and its INFO lines repeat on every rank.
-            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            # twice (the print itself, then a log record of it); and its INFO lines repeat on every rank. The
+            # workers upload checkpoints through pyarrow, whose S3 checksums are set by variables only.
+            worker_runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", **s3.checksum_env()}},
             logging_config=LoggingConfig(log_level="WARNING"),
         ),
     )

@@ -171,6 +171,13 @@ class ServingConfig(BaseModel):
         "auto", description="Compute dtype of dense tensors (auto: as stored)."
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the weights live (auto: cuda if any).")
+    quantized_budgets: Literal["sliced", "masked"] = Field(
+        "sliced",
+        description="FP8/NVFP4 nested checkpoints: 'sliced' serves each smaller budget from its own slice of the "
+        "quantized weights, computing at its own size (resident quantized bytes: the budgets' sizes summed); "
+        "'masked' serves every budget as the one quantized parent under the budget's mask (no extra memory, "
+        "the parent's compute cost per token).",
+    )
     cache_dequantized: bool = Field(
         False,
         description="FP8/NVFP4 only: keep a dense copy of each quantized weight after first use (faster on CPU, "
@@ -335,10 +342,10 @@ def load_config(
         if not isinstance(data, dict):
             raise ValueError(f"{path}: a serving config must be a mapping, got {type(data).__name__}")
         if isinstance(data.get("serve"), dict) or "elastic" in data:  # a pipeline config: take its serve section
-            pipeline = data
-            data = dict(pipeline.get("serve") or {})
-            if isinstance(pipeline.get("markers"), dict):  # the pipeline's reasoning markers, unless serve sets its own
-                data.setdefault("markers", pipeline["markers"])
+            from components.data.inherit import Inherited
+
+            # the pipeline's reasoning markers, unless serve sets its own (the rule every stage's section follows)
+            data = Inherited.of(data, ("markers",)).fill(data.get("serve") or {}, keys=("markers",))
     data.update(overrides)
     return ServingConfig.model_validate(data)
 

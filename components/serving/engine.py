@@ -3,8 +3,8 @@
 One decode thread owns the models and every cache; requests arrive through a thread-safe inbox and
 leave as ``(index, kind, payload)`` events posted back to the event loop, so the loop never waits on
 a matmul. Batching is continuous (:mod:`components.serving.batch`). The two phases follow
-:func:`model.phases.think_then_answer` (same cap cut, resume state and seeds), token by token so
-that they can stream.
+:func:`model.phases.think_then_answer` (same cap cut and resume state), token by token so that they
+can stream; every phase samples with its job's seeds (:mod:`model.request_plan`'s rule).
 
 Design notes (batching wait, streaming, texts, log-probabilities): docs/serving.md ("The engine").
 """
@@ -29,6 +29,7 @@ from components.serving.logprobs import LogprobEntry
 from components.serving.prompts import PromptRules
 from model import generate as gen  # the primitives of model.generate's batched loop
 from model.phases import kept_thinking, resume_state, resume_target  # think_then_answer's rules, shared on purpose
+from model.request_plan import ChoiceSeeds
 
 
 # ---------------------------------------------------------------------- requests and rows
@@ -63,7 +64,9 @@ class Job:
 
     ``index``: the choice index its events carry; ``logprobs``: alternatives per answer token (None:
     no log-probabilities); ``echo``: also score the prompt (plain completions only); ``grammar``: this
-    sequence's own grammar matcher (``components.serving.grammar``), applied to its answer phase only.
+    sequence's own grammar matcher (``components.serving.grammar``), applied to its answer phase only;
+    ``seeds``: its phases' seeds, from :func:`model.request_plan.plan` (default: choice 0 of a request
+    seeded ``sampling.seed``).
     """
 
     prompt: list[int]
@@ -81,6 +84,7 @@ class Job:
     echo: bool = False
     grammar: Any = None
     constraint: Any = None  # the request's constraints.Constraint: how the answer is read back (tool calls)
+    seeds: ChoiceSeeds | None = None
     cancelled: bool = False
     created: float = field(default_factory=time.perf_counter)
     started: float | None = None
@@ -94,6 +98,11 @@ class Job:
     sent_chars: int = 0  # answer characters already streamed
     sent_logprobs: int = 0  # answer logprob entries already streamed
     prompt_lp: list[LogprobEntry] | None = None
+
+    @property
+    def phase_seeds(self) -> ChoiceSeeds:
+        """``seeds``, or those of choice 0 of a request seeded ``sampling.seed`` when none were given."""
+        return self.seeds if self.seeds is not None else ChoiceSeeds.of(self.sampling.seed)
 
     def emit(self, kind: str, payload: Any) -> None:
         try:
@@ -298,22 +307,18 @@ class Engine:
 
     # ------------------------------------------------------------------ phases
     def _first_row(self, job: Job) -> Row:
-        t, seed = self.tokens, job.sampling.seed
-        first_seed = gen.row_seed(seed, 0) if seed is not None else None
+        t, seeds = self.tokens, job.phase_seeds
         if job.think_budget is None:  # plain completion: one phase on the prompt
-            return self._answer_row(job, gen.RowStart(list(job.prompt)), first_seed)
+            return self._answer_row(job, gen.RowStart(list(job.prompt)), seeds.plain)
         cap = self.config.think_limit if job.think_cap is None else job.think_cap
         if cap == 0:  # answer directly: close the (empty) thinking and prefill
-            return self._answer_row(job, gen.RowStart([*job.prompt, *t.think_close]), self._answer_seed(job))
+            return self._answer_row(job, gen.RowStart([*job.prompt, *t.think_close]), seeds.answer)
         stops = frozenset(t.think_stop_ids)
         same = job.think_budget == job.answer_budget  # standard control keeps states to continue from
         start = gen.RowStart(list(job.prompt))
         max_new = cap + len(t.think_close) - 1  # as think_then_answer: the marker's first L-1 ids do not count
-        return Row(job, "think", job.think_budget, start, max_new, stops, (), first_seed, keep_state=same,
+        return Row(job, "think", job.think_budget, start, max_new, stops, (), seeds.think, keep_state=same,
                    stop_seqs=(t.think_close,))  # fmt: skip
-
-    def _answer_seed(self, job: Job) -> int | None:
-        return gen.row_seed(job.sampling.seed, 1) if job.sampling.seed is not None else None
 
     def _answer_row(self, job: Job, start: gen.RowStart, seed: int | None) -> Row:
         job.answer_fed = len(start.tokens)
@@ -338,7 +343,7 @@ class Engine:
         else:
             job.answer_start = "re_prefill"
             start = gen.RowStart(seq)
-        self._pending.append(self._answer_row(job, start, self._answer_seed(job)))
+        self._pending.append(self._answer_row(job, start, job.phase_seeds.answer))
 
     def _answer_text(self, row: Row) -> str:
         ids = row.tokens[:-1] if row.reason == "stop_id" else row.tokens

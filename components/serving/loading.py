@@ -2,9 +2,11 @@
 and the check of a local checkpoint that ``star-elastic serve`` runs before Ray starts.
 
 The folder is read ONCE; every budget is a :class:`~model.decode.budget_view.BudgetModel` of a
-:class:`~model.decode.budget_view.BudgetRegistry` (views of the parent's tensors, or for FP8/NVFP4
-the parent's quantized modules under the budget's hard mask), so serving every budget costs about
-the memory of the full one. :func:`check_checkpoint` / :func:`preflight` find everything a replica
+:class:`~model.decode.budget_view.BudgetRegistry`: views of the parent's tensors (dense), so serving every
+budget costs about the memory of the full one; for FP8/NVFP4, each smaller budget's own slice of the
+quantized tensors (``quantized_budgets: sliced``, computing at its own size) or the parent's quantized
+modules under the budget's hard mask (``masked``, no extra memory, the parent's compute per token).
+:func:`check_checkpoint` / :func:`preflight` find everything a replica
 would trip over from the safetensors headers and the manifest, and report it as one line.
 
 Design notes (what the check covers): docs/serving.md ("Loading and the pre-flight check").
@@ -106,7 +108,14 @@ class LoadedModel:
             if unknown:
                 raise ValueError(f"budgets {unknown} are not in the checkpoint; it has {sorted(archs)}")
             archs = {n: a for n, a in archs.items() if n in config.budgets}
-        registry = BudgetRegistry(full, archs, order)  # one weight copy, every budget a view of it
+        sliced = None
+        if fmt != "dense" and config.quantized_budgets == "sliced":  # each budget at its own size
+            from model.decode.budget_view import sliced_quantized_budgets, smaller_budgets
+
+            names = smaller_budgets(full.config, archs, order)
+            sliced = sliced_quantized_budgets(folder, names, dtype, config.cache_dequantized)
+            sliced = {n: m.to(device).eval() for n, m in sliced.items()}
+        registry = BudgetRegistry(full, archs, order, sliced=sliced)  # dense: every budget a view of one copy
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)

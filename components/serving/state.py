@@ -3,9 +3,10 @@
 :class:`ServingState` is the replica: one weight copy, the decode thread, metrics, admission and
 identity; it knows nothing about HTTP beyond a bounded body and the bearer key. :class:`Admission`
 is the replica's backpressure (a request holds its slot until its last token is sent). A request
-becomes one :class:`~components.serving.engine.Job` per (prompt, choice), indexed ``prompt * n + choice``;
-a request's constraint (:mod:`components.serving.constraints`) is compiled before it is admitted, and
-every job gets its own copy of the grammar.
+becomes one :class:`~components.serving.engine.Job` per (prompt, choice), indexed ``prompt * n + choice``,
+as :func:`model.request_plan.plan` plans it (budgets, caps, every choice's seeds); a request's constraint
+(:mod:`components.serving.constraints`) is compiled before it is admitted, and every job gets its own copy
+of the grammar.
 
 Design notes (seeds of ``n`` choices): docs/serving.md ("The replica and admission").
 """
@@ -32,7 +33,8 @@ from components.serving.loading import LoadedModel
 from components.serving.metrics import ServingMetrics
 from components.serving.prompts import PromptError, PromptRules, check_length
 from components.serving.tools import tool_format
-from model.generate import SamplingParams, row_seed
+from model import request_plan as rp
+from model.generate import SamplingParams
 
 log = logging.getLogger("star_elastic.serving")
 
@@ -91,6 +93,14 @@ class Prompt:
     echo_text: str
 
 
+def _refusal(err: rp.PlanError) -> P.OpenAIError:
+    """The HTTP error of a refused plan: an unknown ``model`` is a 404, as in the OpenAI API."""
+    if err.unknown_budget:
+        status = 404 if err.param == "model" else 400
+        return P.OpenAIError(status, err.message, param=err.param, code="model_not_found")
+    return P.OpenAIError(400, err.message, param=err.param, code="invalid_value")
+
+
 class ServingState:
     """What one replica holds: the engine over one weight copy, metrics, admission, identity (pid, start time)."""
 
@@ -103,6 +113,10 @@ class ServingState:
         self.admission = Admission(config.max_ongoing_requests, config.max_queued_requests, config.retry_after_s)
         self.pid, self.started_at = os.getpid(), time.time()
         self.cards = self.loaded.cards
+        self.limits = rp.Limits(
+            {name: card.active_params for name, card in self.cards.items()}, config.allow_think_larger,
+            config.max_tokens_limit, self.loaded.tokenizer.markers.think_open,
+        )  # fmt: skip
         self.tool_format = tool_format(config.tool_parser)
         self.rules = PromptRules(self.loaded.tokenizer, self.tool_format)
         for effort, setting in config.reasoning_effort.items():
@@ -166,24 +180,12 @@ class ServingState:
         return b"".join(chunks)
 
     # ------------------------------------------------------------------ request -> jobs
-    def _limit(self, value: int | None, default: int | None, name: str, minimum: int) -> int | None:
-        if value is None:
-            return default
-        cap = self.config.max_tokens_limit
-        if not minimum <= value <= cap:
-            raise P.OpenAIError(
-                400, f"{name}: must be between {minimum} and {cap}, got {value}", param=name, code="invalid_value"
-            )
-        return value
-
     def check_budget(self, name: str, param: str) -> str:
-        if name not in self.cards:
-            status = 404 if param == "model" else 400
-            raise P.OpenAIError(
-                status, f"{param}: unknown model {name!r}; served models are {list(self.cards)}",
-                param=param, code="model_not_found",
-            )  # fmt: skip
-        return name
+        """``name`` if it is a served budget, else the planner's refusal (a 404 for ``model``)."""
+        try:
+            return rp.check_budget(name, param, self.limits)
+        except rp.PlanError as err:
+            raise _refusal(err) from None
 
     def constraint(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[Constraint, Any]:
         """The request's constraint and its compiled grammar (cached; None without one); a 400 naming the field
@@ -242,8 +244,7 @@ class ServingState:
         """``(think cap, think_model)`` of the request: its own fields, else its reasoning_effort's setting (whose
         thinking budget applies only when it is not larger than the answering one)."""
         cfg = self.config
-        budget_param = "thinking_token_budget" if req.thinking_token_budget is not None else "reasoning_budget"
-        cap = self._limit(req.reasoning_budget, cfg.default_think_cap, budget_param, 0)
+        cap = req.reasoning_budget if req.reasoning_budget is not None else cfg.default_think_cap  # planner-checked
         effort = getattr(req, "reasoning_effort", None)
         if effort is None:
             return cap, req.think_model
@@ -262,11 +263,13 @@ class ServingState:
         return cap, None if larger and not cfg.allow_think_larger else setting.think_model
 
     def make_jobs(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[list[Job], list[Prompt]]:
-        """One job per (prompt, choice), sharing one event queue; the prompts too (for ``echo``)."""
+        """One job per (prompt, choice) as :func:`model.request_plan.plan` plans it, sharing one event queue; the
+        prompts too (for ``echo``)."""
         cfg = self.config
-        model = self.check_budget(req.model, "model")
-        max_tokens = self._limit(req.max_tokens, cfg.default_max_tokens, "max_tokens", 1)
-        cap, think_model = self._effort(req)  # after check_budget: req.model is served
+        cap_field = "thinking_token_budget" if req.thinking_token_budget is not None else "reasoning_budget"
+        fields = rp.Fields(answer="model", think="think_model", cap=cap_field)
+        self.check_budget(req.model, fields.answer)  # first: _effort reads the model's size
+        cap, think_model = self._effort(req)
         constraint, compiled = self.constraint(req)
         prompts = self.prompts(req)
         count = len(prompts) * req.n
@@ -275,44 +278,40 @@ class ServingState:
                 400, f"n: {len(prompts)} prompt(s) x n={req.n} = {count} sequences, more than the limit of "
                 f"{cfg.max_choices_per_request} per request", param="n", code="invalid_value",
             )  # fmt: skip
+        completion = isinstance(req, P.CompletionRequest)  # a chat prompt whose template does not think ignores them
+        thinking_fields = tuple(
+            name for name in ("think_model", "thinking_token_budget", "reasoning_budget")
+            if completion and getattr(req, name) is not None
+        )  # fmt: skip
+        max_tokens = req.max_tokens if req.max_tokens is not None else cfg.default_max_tokens
+        requests = [
+            rp.Request(p.ids, req.model, max_tokens, p.thinks, think_model, cap, req.n, req.seed, thinking_fields)
+            for p in prompts
+        ]
+        try:
+            plans = [rp.plan(r, self.limits, fields) for r in requests]
+        except rp.PlanError as err:
+            raise _refusal(err) from None
         echo = bool(getattr(req, "echo", False))
-        think = None
-        if any(p.thinks for p in prompts):
-            think = self.check_budget(think_model, "think_model") if think_model is not None else model
-            size_t, size_a = self.cards[think].active_params, self.cards[model].active_params
-            if size_t > size_a and not cfg.allow_think_larger:
-                raise P.OpenAIError(
-                    400, f"think_model: {think!r} ({size_t:,} active parameters) is larger than model {model!r} "
-                    f"({size_a:,}); elastic budget control thinks on a smaller budget", param="think_model",
-                )  # fmt: skip
-            if echo:
-                raise P.OpenAIError(
-                    400, "echo: not supported for a prompt that opens a thinking phase (the answer does not follow "
-                    "the prompt directly); send a prompt without the open marker", param="echo",
-                )  # fmt: skip
-        if isinstance(req, P.CompletionRequest) and not all(p.thinks for p in prompts):
-            marker = self.loaded.tokenizer.markers.think_open
-            for name in ("think_model", "thinking_token_budget", "reasoning_budget"):
-                if getattr(req, name) is not None:
-                    raise P.OpenAIError(
-                        400, f"{name}: this prompt has no thinking phase (a completion prompt must end with "
-                        f"{marker!r} to think)", param=name,
-                    )  # fmt: skip
+        if echo and any(p.thinks for p in prompts):
+            raise P.OpenAIError(
+                400, "echo: not supported for a prompt that opens a thinking phase (the answer does not follow "
+                "the prompt directly); send a prompt without the open marker", param="echo",
+            )  # fmt: skip
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         jobs = []
-        for i, p in enumerate(prompts):
-            for k in range(req.n):
-                seed = req.seed if req.seed is None or k == 0 else row_seed(req.seed, k)
+        for i, choices in enumerate(plans):
+            for c in choices:
                 sampling = SamplingParams(
-                    max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed
+                    max_new_tokens=c.max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed
                 )
                 grammar = compiled.deep_copy() if compiled is not None else None  # each sequence its own state
                 jobs.append(
                     Job(
-                        p.ids, model, think if p.thinks else None, cap, max_tokens, sampling, req.stops, req.stream,
-                        loop, events=events, index=i * req.n + k, logprobs=req.logprobs_k, echo=echo,
-                        grammar=grammar, constraint=constraint,
+                        c.prompt, c.answer_model, c.think_model, c.think_cap, c.max_tokens, sampling, req.stops,
+                        req.stream, loop, events=events, index=i * req.n + c.choice, logprobs=req.logprobs_k,
+                        echo=echo, grammar=grammar, constraint=constraint, seeds=c.seeds,
                     )
                 )  # fmt: skip
         return jobs, prompts

@@ -12,7 +12,8 @@ Design notes: docs/elastic.md ("Depth importance").
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -73,10 +74,13 @@ def nmse(full: Tensor, other: Tensor, chunk_rows: int = NMSE_CHUNK_ROWS) -> floa
 
 
 @torch.no_grad()
-def depth_ranking(model, batches: Sequence[Tensor], progress: bool = True) -> DepthRanking:
+def depth_ranking(
+    model, batches: Sequence[Tensor], progress: bool | Callable[[int, str, str], Any] = True
+) -> DepthRanking:
     """Greedy depth ranking of ``model`` (a :class:`~model.hybrid.HybridLM`) on ``batches``.
 
-    ``batches``: input ids, each (batch, seq) long. Returns a :class:`DepthRanking`.
+    ``batches``: input ids, each (batch, seq) long. Returns a :class:`DepthRanking`. ``progress``: a tqdm
+    bar when True, or ``progress(total, desc, unit)`` making an object with ``update(n)`` and ``close()``.
 
     Memory: one batch's untouched logits and one masked forward's logits are alive at a time (plus
     :func:`nmse`'s float64 chunks). Each greedy round runs batch by batch: the batch's full logits are
@@ -108,10 +112,13 @@ def depth_ranking(model, batches: Sequence[Tensor], progress: bool = True) -> De
         return [total / len(ids) for total in sums]
 
     bar = None
-    if progress:
+    total = n_layers * (n_layers + 1) // 2 * len(ids)
+    if callable(progress):  # the caller's display (the rank stage's: plain lines inside a Ray task)
+        bar = progress(total, "depth", "forward")
+    elif progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=n_layers * (n_layers + 1) // 2 * len(ids), desc="depth", unit="forward")
+        bar = tqdm(total=total, desc="depth", unit="forward")
     removed: list[int] = []
     removal_scores: list[float] = []
     single: list[float] = []

@@ -20,6 +20,7 @@ INPUTS = [
     "temperature",
     "top_p",
     "seed",
+    "n",
     "response_format",
     "tools",
     "tool_choice",
@@ -27,7 +28,7 @@ INPUTS = [
 ]
 OUTPUTS = [
     "text", "reasoning", "budget", "think_model", "finish_reason", "prompt_tokens", "reasoning_tokens",
-    "completion_tokens", "tool_calls",
+    "completion_tokens", "tool_calls", "choices",
 ]  # fmt: skip
 QUESTION = [{"role": "user", "content": "7+5*3-2"}]
 

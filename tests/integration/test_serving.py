@@ -571,9 +571,26 @@ def test_fp8_checkpoint_serves_every_budget_from_one_quantized_copy(tiny_nested_
     from model.quant import quantize_checkpoint
 
     fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
-    state = ServingState(str(fp8), ServingConfig(api_key=KEY, format="fp8", think_limit=8))
+    cfg = ServingConfig(api_key=KEY, format="fp8", think_limit=8, quantized_budgets="masked")
+    state = ServingState(str(fp8), cfg)
     assert state.loaded.format == "fp8"
     assert all(n == 0 for n in state.loaded.registry.copied_bytes().values())  # masked budgets: nothing copied
+    answers = _ask_every_budget(state)
+    assert list(answers) == BUDGETS and answers["full"]["budget_control"]["think_model"] == "small"
+
+
+def test_fp8_checkpoint_serves_smaller_budgets_at_their_own_size(tiny_nested_checkpoint, tmp_path):
+    from components.serving.app import ServingState
+    from components.serving.config import ServingConfig
+    from model.quant import quantize_checkpoint
+
+    fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
+    state = ServingState(str(fp8), ServingConfig(api_key=KEY, format="fp8", think_limit=8))  # the default: sliced
+    registry = state.loaded.registry
+    modes = {n: registry.get(n).mode for n in registry.names}
+    assert modes[registry.names[0]] == "masked" and all(modes[n] == "sliced" for n in registry.names[1:])
+    parent = sum(t.numel() * t.element_size() for t in registry.full.state_dict().values())
+    assert all(0 < registry.copied_bytes()[n] < parent for n in registry.names[1:])  # each its own slice
     answers = _ask_every_budget(state)
     assert list(answers) == BUDGETS and answers["full"]["budget_control"]["think_model"] == "small"
     with pytest.raises(ValueError, match="holds dense weights"):

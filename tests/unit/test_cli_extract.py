@@ -63,3 +63,39 @@ def test_extract_refuses_in_one_line(checkpoints, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "huge" in err and "Traceback" not in err
     assert main(["extract", str(tmp_path), "--budget", "small", "--out", str(tmp_path / "y")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["dense", "nvfp4_w4a4"])
+def test_extract_shards_above_max_shard_size_as_save_pretrained(checkpoints, fmt, tmp_path):
+    out = tmp_path / "sharded"
+    assert (
+        main(["extract", str(checkpoints[fmt]), "--budget", "small", "--out", str(out), "--max-shard-size", "10KB"])
+        == 0
+    )
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (out / WEIGHTS_NAME).exists()
+    assert all((out / s).stat().st_size <= 10_000 + 2**16 for s in shards)  # a shard may hold one larger tensor
+    whole = tmp_path / "whole"
+    assert main(["extract", str(checkpoints[fmt]), "--budget", "small", "--out", str(whole)]) == 0
+    want = _tensors(whole)
+    got = {}
+    for shard in shards:
+        with safe_open(str(out / shard), framework="pt") as fh:
+            got.update({k: fh.get_tensor(k) for k in fh.keys()})  # noqa: SIM118
+    assert sorted(got) == sorted(want) == sorted(index["weight_map"])
+    assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)) for k in want)
+
+
+def test_extract_writes_a_dense_budget_in_the_dtype_asked(checkpoints, tmp_path, capsys):
+    out, reference = tmp_path / "bf16", tmp_path / "lib"
+    args = ["extract", str(checkpoints["dense"]), "--budget", "small", "--out", str(out), "--dtype", "bfloat16"]
+    assert main(args) == 0
+    extract_budget(checkpoints["dense"], "small", reference, dtype=torch.bfloat16)
+    got, want = _tensors(out), _tensors(reference)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert {t.dtype for k, t in got.items() if k.endswith("proj.weight")} == {torch.bfloat16}
+    quantized = ["extract", str(checkpoints["fp8"]), "--budget", "small", "--out", str(tmp_path / "q")]
+    capsys.readouterr()
+    assert main([*quantized, "--dtype", "bfloat16"]) == 2
+    assert "--dtype" in capsys.readouterr().err

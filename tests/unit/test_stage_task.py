@@ -14,7 +14,8 @@ from model.config import HybridConfig
 from model.hybrid import HybridLM
 from pipelines.config import load_pipeline_config
 from pipelines.runner import PipelineRunner
-from pipelines.stages import check_parent, pipeline_stages, task_device
+from pipelines.sections import task_device
+from pipelines.stages import check_parent, pipeline_stages
 from tests.conftest import TINY
 
 CONFIGS = Path(__file__).resolve().parents[2] / "pipelines" / "configs"

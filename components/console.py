@@ -1,0 +1,85 @@
+"""Library messages that tell a person running the pipeline nothing, silenced where they are emitted.
+
+Design choices:
+
+* Each message is named by its logger or warning category and the start of its text, never a whole
+  library or every warning: a new warning from the same library still shows.
+* :func:`quiet_libraries` installs the filters in the process that calls it (idempotent). The pipeline
+  calls it on the driver, and every Ray worker of the pipeline's job runs it at start-up as Ray's
+  ``worker_process_setup_hook`` (:func:`worker_runtime_env`), so tasks, Ray Train's workers and its
+  controller are quiet before any of their code is imported.
+* What a library only lets an environment variable decide (MLflow's artifact-download bars, Ray
+  Train's preemption watcher) is set in the workers' runtime environment, never in the driver's
+  ``os.environ``.
+
+Silenced:
+
+* torch's ``FutureWarning`` that ``all_gather_into_tensor`` is deprecated (DeepSpeed calls it each step);
+* DeepSpeed's "Setting accelerator to CPU" (once per process on a CPU machine, where CPU is expected);
+* MLflow's "Any type hint is inferred as AnyType" ``UserWarning`` (the served model's inputs are
+  validated by the model itself), its "Running the predict function ..." note per logged model, its
+  "Creating initial MLflow database tables" notes on a new store, and its artifact-download bars;
+* Ray's notice that token authentication is on (the default of a local runtime);
+* Ray Train's preemption watcher on a local runtime (one machine is never preempted): its actor
+  logs an error line about its constructor arguments at every training start.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from typing import Any
+
+from components.progress import PROGRESS_ENV, is_terminal
+
+WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\."),
+    (UserWarning, r"Any type hint is inferred as AnyType", r"mlflow\."),
+)
+"""(category, start of the message (a regex), module of the caller (a regex, empty: any)) of each warning."""
+
+LOG_MESSAGES: dict[str, tuple[str, ...]] = {
+    "DeepSpeed": ("Setting accelerator to CPU",),
+    "mlflow.models.signature": ("Running the predict function to generate output",),
+    "mlflow.store.db.utils": ("Creating initial MLflow database tables", "Updating database tables"),
+    "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled",),
+}
+"""Logger name -> starts of the messages it drops."""
+
+WORKER_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+"""Environment of every worker: MLflow reads this one switch for its download and upload bars."""
+
+LOCAL_WORKER_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+"""Added on a local runtime, which one machine holds and nothing preempts."""
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``starts``."""
+
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.starts)
+
+
+def quiet_libraries() -> None:
+    """Install this module's filters in this process (a second call changes nothing)."""
+    for category, message, module in WARNINGS:
+        # filterwarnings moves an identical filter to the front instead of adding it twice
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, starts in LOG_MESSAGES.items():
+        logger = logging.getLogger(name)  # the same object the library gets, before or after it is imported
+        if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):
+            logger.addFilter(_DropMessages(starts))
+
+
+def worker_runtime_env(local: bool) -> dict[str, Any]:
+    """The ``runtime_env`` of the pipeline's Ray job: every worker runs :func:`quiet_libraries` at start-up,
+    gets :data:`WORKER_ENV` (plus :data:`LOCAL_WORKER_ENV` when ``local``: the runtime was started here),
+    and learns whether the driver draws progress on a terminal (:data:`components.progress.PROGRESS_ENV`)."""
+    env = {**WORKER_ENV, **(LOCAL_WORKER_ENV if local else {})}
+    env[PROGRESS_ENV] = "bar" if is_terminal(sys.stdout) else "lines"
+    return {"worker_process_setup_hook": f"{__name__}.quiet_libraries", "env_vars": env}
