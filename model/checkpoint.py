@@ -11,11 +11,11 @@ The accepted layouts in full: docs/checkpoints.md ("Checkpoint I/O").
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,52 +34,19 @@ from model.layout import (
     WeightsWriter,
     state_entries,
 )
+from model.manifest import (  # noqa: F401 - the checkpoint API: defined in model.manifest, used from here too
+    MANIFEST_NAME,
+    CheckpointError,
+    sha256_file,
+    verify_manifest,
+    write_manifest,
+)
 
 CONFIG_NAME = "config.json"
-MANIFEST_NAME = "manifest.json"
 
 _PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _MTP_PREFIX = "mtp."  # multi-token-prediction heads: transformers' NemotronH ignores them on load too
 _FP32_TENSORS = ("e_score_correction_bias",)  # kept float32 whatever the file or requested dtype
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config, or whose files fail their hashes."""
-
-
-# ---------------------------------------------------------------------- hashing
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(folder: Path) -> dict[str, Any]:
-    """Record size and SHA-256 of every file in ``folder`` (except the manifest itself)."""
-    files = {
-        p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
-    manifest = {"files": files}
-    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
-
-
-def verify_manifest(folder: Path) -> None:
-    """Raise :class:`CheckpointError` if a file listed in ``manifest.json`` is missing or altered."""
-    path = folder / MANIFEST_NAME
-    if not path.exists():
-        return
-    manifest = json.loads(path.read_text())
-    for name, info in manifest.get("files", {}).items():
-        f = folder / name
-        if not f.exists():
-            raise CheckpointError(f"{folder}: file {name} listed in {MANIFEST_NAME} is missing")
-        if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
-            raise CheckpointError(f"{folder}: {name} does not match its SHA-256 in {MANIFEST_NAME} (corrupt?)")
 
 
 # ---------------------------------------------------------------------- key mapping
@@ -286,6 +253,103 @@ def read_config(path: str | Path) -> tuple[HybridConfig, dict[str, Any]]:
         return HybridConfig.from_hf_dict(raw), raw
     except ValueError as err:
         raise ValueError(f"{folder / CONFIG_NAME}: {err}") from None
+
+
+_HEADER_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # fmt: skip
+
+
+def header_tensors(folder: str | Path) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint as a ``meta`` tensor of its stored shape and dtype, keys as stored (the
+    file headers only: no weight is read). Raises :class:`CheckpointError` for a truncated or corrupt file,
+    an unsupported dtype or a key stored twice."""
+    folder = Path(folder)
+    out: dict[str, Tensor] = {}
+    for f in weight_files(folder):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
+                    sl = fh.get_slice(key)
+                    dtype = _HEADER_DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise CheckpointError(f"{f}: tensor {key} has unsupported dtype {sl.get_dtype()}")
+                    if key in out:
+                        raise CheckpointError(f"{folder}: tensor {key} is stored twice")
+                    out[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+        except CheckpointError:
+            raise
+        except Exception as err:  # the Rust reader's error: a truncated or corrupt file
+            raise CheckpointError(f"{f}: unreadable safetensors file ({err}); truncated or corrupt?") from None
+    return out
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint folder holds, from its ``config.json``, its file headers and its manifest (no weight
+    is read): the one reading of a checkpoint that serving, evaluation, the parent check and extraction use.
+
+    ``format``: ``"dense"`` or the quantized format (``fp8``, ``nvfp4``, ``nvfp4_w4a4``: ``quant_algo`` of its
+    ``quantization_config``, ModelOpt's names); ``layout``: ``"published"`` (``backbone.`` keys, one tensor per
+    routed expert, as ``save_pretrained`` writes) or ``"stacked"`` (``model.`` keys or experts stored as one
+    (E, out, in) tensor); ``tensors``: stored key -> meta tensor; ``manifest``: ``manifest.json`` or None.
+    """
+
+    folder: Path
+    config: HybridConfig
+    raw: dict[str, Any]
+    format: str
+    layout: str
+    tensors: dict[str, Tensor]
+    manifest: dict[str, Any] | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != "dense"
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the folder is a nested checkpoint (an ``elastic`` section in its config)."""
+        return "elastic" in self.raw
+
+    def dense_state(self) -> dict[str, Tensor]:
+        """The tensors under the model's names, as the loader reads them (``mtp.*`` dropped, per-expert tensors
+        stacked, a tied head filled from the embeddings)."""
+        state = to_canonical({k: v for k, v in self.tensors.items() if not k.startswith(_MTP_PREFIX)})
+        if "lm_head.weight" not in state and self.raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
+            state["lm_head.weight"] = state["model.embeddings.weight"]
+        return state
+
+    def check_dense(self) -> int:
+        """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor of a dense
+        checkpoint against its config; returns its parameter count."""
+        from model.hybrid import HybridLM
+
+        with torch.device("meta"):  # shapes only: the meta device allocates nothing
+            model = HybridLM(self.config)
+        check_state(model.state_dict(), self.dense_state(), str(self.folder))
+        return model.num_parameters()
+
+
+def inspect_checkpoint(folder: str | Path, verify: bool = True) -> CheckpointInfo:
+    """Read a checkpoint folder's config, format, layout, tensor headers and manifest (see
+    :class:`CheckpointInfo`); with ``verify``, check every file against its manifest's SHA-256 first."""
+    from model.quant.modelopt import format_of
+
+    folder = Path(folder)
+    try:
+        config, raw = read_config(folder)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{folder}: config.json is not valid JSON ({err})") from None
+    if verify:
+        verify_manifest(folder)
+    tensors = header_tensors(folder)
+    stacked = any(k.startswith("model.") for k in tensors) or any(
+        k.endswith(("experts.up_proj", "experts.down_proj")) for k in tensors
+    )
+    manifest = json.loads((folder / MANIFEST_NAME).read_text()) if (folder / MANIFEST_NAME).is_file() else None
+    fmt = format_of(raw.get("quantization_config")) or "dense"
+    return CheckpointInfo(folder, config, raw, fmt, "stacked" if stacked else "published", tensors, manifest)
 
 
 def _loaded_copy(key: str, view: Tensor, dtype: torch.dtype | None) -> Tensor:

@@ -139,12 +139,13 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     import torch
 
     from components.storage import materialize
+    from model.checkpoint import inspect_checkpoint
 
     folder = materialize(args.checkpoint)
-    config = folder / "config.json"
-    if not config.is_file():
+    if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{args.checkpoint}: not a checkpoint folder (no config.json)")
-    algo = (json.loads(config.read_text(encoding="utf-8")).get("quantization_config") or {}).get("quant_algo")
+    info = inspect_checkpoint(folder, verify=False)  # extraction checks the manifest as it reads
+    algo = info.raw["quantization_config"]["quant_algo"] if info.quantized else None
     shards = {} if args.max_shard_size is None else {"max_shard_size": args.max_shard_size}
     if algo:  # the quantize stage's output: slice the quantized tensors, never requantize
         from model.quant.nesting import extract_quantized_budget

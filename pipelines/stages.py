@@ -56,27 +56,9 @@ def check_parent(folder: Path) -> int:
     mis-shaped tensor raises :class:`~model.checkpoint.CheckpointError` naming them, before any stage
     that needs the weights starts.
     """
-    import torch
-    from safetensors import safe_open
+    from model.checkpoint import inspect_checkpoint
 
-    from model.checkpoint import check_state, read_config, to_canonical, verify_manifest, weight_files
-    from model.hybrid import HybridLM
-
-    config, raw = read_config(folder)
-    verify_manifest(folder)
-    found: dict[str, torch.Tensor] = {}
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                if not key.startswith("mtp."):
-                    found[key] = torch.empty(fh.get_slice(key).get_shape(), device="meta")
-    state = to_canonical(found)
-    if "lm_head.weight" not in state and raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
-        state["lm_head.weight"] = state["model.embeddings.weight"]
-    with torch.device("meta"):  # shapes only: the meta device allocates nothing
-        parent = HybridLM(config)
-    check_state(parent.state_dict(), state, str(folder))
-    return parent.num_parameters()
+    return inspect_checkpoint(folder).check_dense()
 
 
 def run_parent(cfg: ParentStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:

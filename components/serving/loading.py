@@ -14,7 +14,6 @@ Design notes (what the check covers): docs/serving.md ("Loading and the pre-flig
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -25,19 +24,12 @@ import torch
 
 from components.data.tokenizer import TextTokenizer
 from components.serving.config import ServingConfig, load_config
-from model.checkpoint import MANIFEST_NAME, CheckpointError
+from model.checkpoint import MANIFEST_NAME, CheckpointError, inspect_checkpoint
 from model.decode.budget_view import BudgetRegistry
 from model.elastic.arch import Architecture
 from model.phases import PhaseTokens
 
 log = logging.getLogger("star_elastic.serving")
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
-_MTP_PREFIX = "mtp."  # multi-token-prediction heads, skipped on load (model.checkpoint.load_model)
 
 
 @dataclass(frozen=True)
@@ -79,8 +71,8 @@ class LoadedModel:
         warning = no_manifest_warning(folder)
         if warning:
             log.warning(warning)
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        fmt = _format(raw)
+        info = inspect_checkpoint(folder, verify=False)  # the loaders below check the manifest themselves
+        raw, fmt = info.raw, info.format
         if config.format != "auto" and config.format != fmt:
             raise ValueError(f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked")
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
@@ -121,50 +113,7 @@ class LoadedModel:
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
 
 
-def _format(raw: dict[str, Any]) -> str:
-    from model.quant.modelopt import format_of
-
-    return format_of(raw.get("quantization_config")) or "dense"
-
-
 # ---------------------------------------------------------------------- the check before Ray starts
-def _header_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint as a ``meta`` tensor of its stored shape and dtype (headers only)."""
-    from safetensors import safe_open
-
-    from model.checkpoint import weight_files
-
-    out: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for key in fh.keys():  # noqa: SIM118 - safe_open is not iterable
-                    sl = fh.get_slice(key)
-                    dtype = _DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise CheckpointError(f"{f}: tensor {key} has unsupported dtype {sl.get_dtype()}")
-                    if key in out:
-                        raise CheckpointError(f"{folder}: tensor {key} is stored twice")
-                    out[key] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
-        except CheckpointError:
-            raise
-        except Exception as err:  # the Rust reader's error: a truncated or corrupt file
-            raise CheckpointError(f"{f}: unreadable safetensors file ({err}); truncated or corrupt?") from None
-    return out
-
-
-def _check_dense(folder: Path, config: Any, raw: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-    from model.checkpoint import check_state, to_canonical
-    from model.hybrid import HybridLM
-
-    state = to_canonical({k: v for k, v in tensors.items() if not k.startswith(_MTP_PREFIX)})
-    if "lm_head.weight" not in state and raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
-        state["lm_head.weight"] = state["model.embeddings.weight"]
-    with torch.device("meta"):
-        expected = HybridLM(config).state_dict()
-    check_state(expected, state, str(folder))
-
-
 def _check_quantized(folder: Path, config: Any, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
     from model.quant.checkpoint import build_quantized_model
 
@@ -182,7 +131,6 @@ def check_checkpoint(folder: str | Path, config: ServingConfig | None = None) ->
     Raises :class:`~model.checkpoint.CheckpointError` (a ``ValueError``) with one line naming the
     file and the problem. See the module docstring for what is checked.
     """
-    from model.checkpoint import read_config, verify_manifest
     from model.elastic.export import read_elastic
 
     config = config or ServingConfig()
@@ -191,26 +139,23 @@ def check_checkpoint(folder: str | Path, config: ServingConfig | None = None) ->
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: no such checkpoint folder")
         warnings = [w for w in [no_manifest_warning(folder)] if w]
-        try:
-            hybrid, raw = read_config(folder)
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{folder}: config.json is not valid JSON ({err})") from None
-        fmt = _format(raw)
-        if config.format != "auto" and config.format != fmt:
-            raise CheckpointError(
-                f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked"
-            )
-        verify_manifest(folder)
-        tensors = _header_tensors(folder)
+        if config.format != "auto":  # the format first: a wrong one is the clearest message
+            fmt = inspect_checkpoint(folder, verify=False).format
+            if config.format != fmt:
+                raise CheckpointError(
+                    f"{folder}: the checkpoint holds {fmt} weights but format={config.format!r} was asked"
+                )
+        info = inspect_checkpoint(folder)
+        hybrid, fmt = info.config, info.format
         if fmt == "dense":
-            _check_dense(folder, hybrid, raw, tensors)
+            info.check_dense()
         else:
-            _check_quantized(folder, hybrid, fmt, tensors)
+            _check_quantized(folder, hybrid, fmt, info.tensors)
         names = ["full"]
-        if "elastic" in raw:
-            info = read_elastic(folder)
-            info.space.validate_against(hybrid)
-            names = info.names
+        if info.elastic:
+            elastic = read_elastic(folder)
+            elastic.space.validate_against(hybrid)
+            names = elastic.names
         if config.budgets is not None:
             unknown = sorted(set(config.budgets) - set(names))
             if unknown:

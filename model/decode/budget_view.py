@@ -17,7 +17,6 @@ parent and every budget, largest first. Design notes: ``docs/decode.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -388,11 +387,12 @@ class BudgetRegistry:
         A quantized (FP8 / NVFP4) nested checkpoint serves its smaller budgets ``sliced`` (each its own slice
         of the quantized weights, computing at its own size) or ``masked`` (the one quantized parent under
         each budget's mask, at the parent's compute cost and no extra memory)."""
+        from model.checkpoint import inspect_checkpoint
         from model.elastic.export import read_elastic
 
         folder = Path(path)
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        quantized = bool((raw.get("quantization_config") or {}).get("quant_algo"))
+        info = inspect_checkpoint(folder, verify=False)  # the loaders below check the manifest themselves
+        quantized = info.quantized
         if quantized:
             from model.quant import load_quantized_model
 
@@ -401,13 +401,13 @@ class BudgetRegistry:
             full = HybridLM.from_pretrained(folder, dtype=dtype)
         if device is not None:
             full = full.to(device)
-        if "elastic" not in raw:
+        if not info.elastic:
             return cls(full, {"full": Architecture()})
-        info = read_elastic(folder)
+        elastic = read_elastic(folder)
         sliced = None
         if quantized and quantized_budgets == "sliced":
-            smaller = smaller_budgets(full.config, info.architectures, info.depth_order)
+            smaller = smaller_budgets(full.config, elastic.architectures, elastic.depth_order)
             sliced = sliced_quantized_budgets(folder, smaller, dtype, cache_dequantized)
             if device is not None:
                 sliced = {n: m.to(device) for n, m in sliced.items()}
-        return cls(full, info.architectures, info.depth_order, sliced=sliced)
+        return cls(full, elastic.architectures, elastic.depth_order, sliced=sliced)
