@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,9 +109,24 @@ class LoadedModel:
             sliced = sliced_quantized_budgets(folder, names, dtype, config.cache_dequantized)
             sliced = {n: m.to(device).eval() for n, m in sliced.items()}
         registry = BudgetRegistry(full, archs, order, sliced=sliced)  # dense: every budget a view of one copy
+        prepare_decode(registry)
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
+
+
+def prepare_decode(registry: BudgetRegistry) -> None:
+    """Build every budget's decode plan now, so that its kernel measurements (model/decode/kernels.py; cached
+    on disk per machine) are taken at start-up and never by a first request; logs what it took."""
+    start = time.perf_counter()
+    summaries = []
+    with torch.inference_mode():
+        for name in registry.names:
+            plan = registry.get(name).decode_plan()
+            if plan is not None and plan.kernels is not None:
+                summaries.append(f"{name}: {plan.kernels.summary()}")
+    detail = "; " + "; ".join(summaries) if summaries else ""
+    log.info("decode plans ready in %.1fs%s", time.perf_counter() - start, detail)
 
 
 # ---------------------------------------------------------------------- the check before Ray starts
