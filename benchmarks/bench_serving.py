@@ -228,9 +228,9 @@ def _rss_child(ckpt: str, budgets: str) -> None:
     """Child process: load, answer one request per served budget, print the RSS as JSON."""
     import psutil
 
-    from components.serving.app import ServingState
     from components.serving.config import ServingConfig
-    from components.serving.engine import Job
+    from components.serving.job import Job
+    from components.serving.state import ServingState
     from model.generate import SamplingParams
 
     names = None if budgets == "all" else budgets.split(",")
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"load_average": load, "args": {k: v for k, v in vars(args).items() if k != "rss_child"}}
     with tempfile.TemporaryDirectory() as tmp:
         if args.family:
-            from benchmarks.bench_peers import BUDGETS, PARENT
+            from benchmarks.peers_family import BUDGETS, PARENT
             from model.elastic import Architecture
 
             family = {n: Architecture(**kw) for n, kw in BUDGETS.items()}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_peers import BUDGETS, PARENT, elastic_space
+from benchmarks.peers_family import BUDGETS, PARENT, elastic_space
 from model.config import HybridConfig
 from model.decode.budget_view import BudgetRegistry
 from model.elastic import Architecture, count_params

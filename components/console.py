@@ -35,7 +35,7 @@ from components.progress import PROGRESS_ENV, is_terminal
 
 WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\."),
-    (UserWarning, r"Any type hint is inferred as AnyType", r"mlflow\."),
+    (UserWarning, r"(\x1b\[[0-9;]*m)?Any type hint is inferred as AnyType", r"mlflow\."),  # MLflow colours it
 )
 """(category, start of the message (a regex), module of the caller (a regex, empty: any)) of each warning."""
 

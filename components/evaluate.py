@@ -31,7 +31,7 @@ Design choices:
   there is one); the demo config sets its own small limits.
 * In the pipeline the stage runs as a Ray task with ``resources`` (:mod:`components.stage_task`): a
   task with a GPU evaluates on cuda in bfloat16 (``device``/``dtype`` auto), a CPU task on cpu in
-  float32; the progress bar is drawn on the driver.
+  float32; progress is one line the driver draws on a terminal, else plain lines (:mod:`components.progress`).
 * ``carry_state_compare`` reruns every elastic pair with Mamba/KV state carried from the thinking
   budget instead of re-prefilling, and reports accuracy and latency deltas (and any fallback).
 * :func:`~components.eval_plots.best_elastic_vs_standard` compares each elastic pair's curve with
@@ -54,7 +54,8 @@ from components.data.answers import AnswerFormat, AnswerReader
 from components.data.tokenizer import ReasoningMarkers, TextTokenizer
 from components.eval_plots import best_elastic_vs_standard, carry_comparison, pareto_plot
 from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set, thinking_prompt
-from components.stage_task import TaskResources, progress_bar
+from components.progress import progress_bar
+from components.stage_task import TaskResources
 from components.tracking import NullTracker, Tracker
 from model.decode.budget_view import BudgetRegistry
 from model.generate import SamplingParams

@@ -26,20 +26,20 @@ from typing import TYPE_CHECKING, Any
 import mlflow.pyfunc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from components.model_uri import CHECKPOINT_ARTIFACT
+
 if TYPE_CHECKING:
     from mlflow.models.model import ModelInfo
 
     from components.serving.config import ServingConfig
     from components.serving.constraints import Constraint
-    from components.serving.engine import JobResult
     from components.serving.grammar import Grammars
+    from components.serving.job import JobResult
     from components.serving.loading import LoadedModel
     from components.serving.prompts import PromptRules
     from components.serving.tools import ToolFormat
     from model.request_plan import ChoicePlan, Limits
 
-CHECKPOINT_ARTIFACT = "checkpoint"
-"""Key of the nested checkpoint folder in the pyfunc's ``artifacts``."""
 _REQUIREMENTS = (
     "mlflow", "torch", "safetensors", "tokenizers", "transformers", "jinja2", "numpy", "pandas", "pydantic", "tqdm",
     "llguidance",
@@ -251,7 +251,8 @@ def _on_engine(
     are read on a private event loop in a worker thread, so ``predict`` works inside a running loop too."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from components.serving.engine import Engine, Job
+    from components.serving.engine import Engine
+    from components.serving.job import Job
     from components.serving.responses import collect
     from model.generate import SamplingParams
 
@@ -479,19 +480,3 @@ def log_nested_model(
         )
     store.client().log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
     return info
-
-
-def checkpoint_folder(model_dir: str | Path) -> Path:
-    """The nested checkpoint inside a downloaded pyfunc model folder (``model_dir`` itself for a bare checkpoint)."""
-    from mlflow.models import Model
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "MLmodel").is_file():
-        if (model_dir / "config.json").is_file():  # a bare checkpoint folder
-            return model_dir
-        raise FileNotFoundError(f"{model_dir}: neither an MLflow model (no MLmodel) nor a checkpoint (no config.json)")
-    flavor = Model.load(model_dir).flavors.get("python_function", {})
-    artifact = (flavor.get("artifacts") or {}).get(CHECKPOINT_ARTIFACT)
-    if not artifact:
-        raise FileNotFoundError(f"{model_dir}: the MLflow model has no {CHECKPOINT_ARTIFACT!r} artifact")
-    return model_dir / artifact["path"]

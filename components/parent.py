@@ -20,7 +20,6 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from tqdm import tqdm
 
 from components.data import (
     DataConfig,
@@ -34,6 +33,7 @@ from components.data import (
 from components.data.answers import AnswerFormat
 from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set
 from components.lm_eval import task_accuracy
+from components.progress import progress_bar
 from components.tracking import NullTracker, Tracker
 from model.config import HybridConfig
 from model.hybrid import HybridLM
@@ -255,8 +255,8 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
     tokens_seen = 0
     start = time.perf_counter()
     history: list[dict[str, float]] = []
-    bar = tqdm(range(cfg.steps), desc="parent", unit="step", mininterval=2.0)
-    for step in bar:
+    bar = progress_bar(cfg.steps, "parent", unit="step")
+    for step in range(cfg.steps):
         batch = make_data_batch(
             cfg.data, tok, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=cfg.seed, phase="parent", step=step,
             exclude=exclude,
@@ -272,6 +272,7 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
         tokens_seen += batch.input_ids.numel()
         rate = tokens_seen / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:,.0f}")
+        bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             row = {
                 "loss": loss.item(),
@@ -281,6 +282,7 @@ def train_parent(cfg: ParentTrainConfig, tracker: Tracker | None = None) -> dict
             }
             history.append({"step": step, **row})
             tracker.log_metrics(row, step=step)
+    bar.close()
     train_s = time.perf_counter() - start
     if balancer is not None:
         balancer.detach()

@@ -16,15 +16,12 @@ The memory side, and the plan that joins both, is :mod:`components.plan`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components.plan_inputs import PhaseShape, PlanHardware
 from model.config import HybridConfig
 from model.elastic.params import count_params
-
-if TYPE_CHECKING:  # the plan's input shapes; components.plan imports this module at run time
-    from components.plan import PhaseShape, PlanHardware
 
 GB = 1e9
 

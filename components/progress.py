@@ -22,6 +22,8 @@ Design choices:
   task or training workers are up and its model is loaded; until then (and whenever the stage is
   otherwise quiet) the driver writes one ``still running`` line per ``silence`` seconds of console
   silence. It watches the driver's ``sys.stdout`` / ``sys.stderr``, which Ray's forwarded lines go through.
+* The driver's output is line-buffered (:func:`line_buffered_console`), so a captured run reads as it
+  happens.
 * Only one process writes a given stage's lines (rank 0 of a training run, one calibration task): Ray
   folds lines from different processes that differ only in their numbers into one
   ``[repeated Nx across cluster]`` line, several seconds late.
@@ -42,6 +44,9 @@ PROGRESS_ENV = "STAR_ELASTIC_PROGRESS"
 
 LINE_INTERVAL_S = 8.0
 """Seconds between two progress lines: under 10 s with room for Ray's log forwarding delay."""
+
+INTERVAL_ENV = "STAR_ELASTIC_PROGRESS_INTERVAL_S"
+"""Overrides :data:`LINE_INTERVAL_S` (0: a line at every update, as a test that follows each step wants)."""
 
 HEARTBEAT_SILENCE_S = 9.0
 """Seconds of console silence after which the driver writes a stage's ``still running`` line."""
@@ -78,12 +83,20 @@ def _format_rate(rate: float, unit: str) -> str:
 
 
 # ---------------------------------------------------------------------- plain lines
+def line_interval() -> float:
+    """Seconds between two progress lines: :data:`INTERVAL_ENV` when set, else :data:`LINE_INTERVAL_S`."""
+    value = os.environ.get(INTERVAL_ENV, "").strip()
+    return max(0.0, float(value)) if value else LINE_INTERVAL_S
+
+
 class LineProgress:
     """Progress as plain lines, e.g. ``[distill p1] step 120/640 (19%), 4.1 steps/s, ETA 2m07s, loss=0.25``.
 
-    ``initial``: units already done (a resumed run): the rate counts only the units done here.
-    ``clock``: seconds, monotonic (tests pass a fake one). ``ticker``: start the thread that writes a line
-    when ``interval`` seconds pass without an ``update``.
+    The first line comes ``interval`` seconds after the start (until then the driver's heartbeat speaks),
+    the last one at :meth:`close`. ``initial``: units already done (a resumed run): the rate counts only
+    the units done here. ``interval``: None reads :data:`INTERVAL_ENV`, else :data:`LINE_INTERVAL_S`.
+    ``clock``: seconds, monotonic (tests pass a fake one). ``ticker``: start the thread that writes a
+    line when ``interval`` seconds pass without an ``update``.
     """
 
     def __init__(
@@ -93,12 +106,13 @@ class LineProgress:
         unit: str = "it",
         *,
         initial: int = 0,
-        interval: float = LINE_INTERVAL_S,
+        interval: float | None = None,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
         ticker: bool = True,
     ) -> None:
-        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
+        self.total, self.desc, self.unit = total, desc, unit
+        self.interval = line_interval() if interval is None else interval
         self.n = self._first = initial
         self._stream = stream
         self._clock = clock
@@ -108,8 +122,7 @@ class LineProgress:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._write(self.line())
-        if ticker:
+        if ticker and self.interval > 0:
             self._thread = threading.Thread(target=self._tick, name=f"progress {desc}", daemon=True)
             self._thread.start()
 
@@ -257,6 +270,16 @@ def progress_bar(
 
 
 # ---------------------------------------------------------------------- the driver's heartbeat
+def line_buffered_console() -> None:
+    """Write this process's ``sys.stdout`` / ``sys.stderr`` line by line, also into a file or a pipe (where
+    Python buffers 8 KiB): ``tail -f`` on a captured run then sees each line, Ray's forwarded ones included,
+    when it is written, not minutes later."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
 class _Watched:
     """A text stream that notes when it was last written to, passing everything through."""
 

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors import safe_open
 
 from components.data import DataConfig, ReasoningMarkers
+from components.progress import progress_bar
 from components.stage_task import TaskResources
 from components.tracking import NullTracker, Tracker
 
@@ -283,8 +284,13 @@ def run_quantize(
         batches = calibration_batches(source, model_config.vocab_size, config.calibration)
 
     device = calibration_device(config.resources, torch.cuda.is_available()) if batches else "cpu"
+    if evaluate_fn is None and config.evaluate is not None:
+        evaluate_fn = _default_evaluator(config.evaluate, out, tracker)
+    # one step per format quantized and per format evaluated (the source, when needed, adds one)
+    bar = progress_bar(len(config.formats) * (2 if evaluate_fn is not None else 1), "quantize", unit="step")
     checkpoints: dict[str, Path] = {}
     for fmt in config.formats:
+        bar.set_postfix(now=f"quantizing {fmt}")
         checkpoints[fmt] = quantize_checkpoint(
             source,
             out / fmt,
@@ -295,18 +301,22 @@ def run_quantize(
             dense_dtype=torch.bfloat16 if config.dense_dtype == "bfloat16" else None,
             device=device,
         )
+        bar.update(1)
 
-    if evaluate_fn is None and config.evaluate is not None:
-        evaluate_fn = _default_evaluator(config.evaluate, out, tracker)
     baseline = dict(config.baseline_accuracy)
     quantized_acc: dict[str, dict[str, float]] = {}
     if evaluate_fn is not None:
         for fmt, path in checkpoints.items():
+            bar.set_postfix(now=f"evaluating {fmt}")
             quantized_acc[fmt] = evaluate_fn(str(path))
+            bar.update(1)
         needed = {b for accs in quantized_acc.values() for b in accs}
         if config.evaluate_baseline and not needed <= set(baseline):
+            bar.set_postfix(now="evaluating the unquantized checkpoint")
             measured = evaluate_fn(str(source))
             baseline.update({b: a for b, a in measured.items() if b not in baseline})
+    bar.set_postfix()
+    bar.close()
 
     recovery = recovery_table(baseline, quantized_acc)
     sizes = size_table(source, checkpoints)

@@ -33,7 +33,7 @@ from components.data import (
     make_data_batch,
 )
 from components.data.checks import check_data
-from components.progress import progress_bar
+from components.progress import Bar, progress_bar
 from components.stage_task import TaskInfo, TaskResources, check_feasible, ray_runtime, run_task
 from components.tracking import Tracker
 from model.elastic.importance import AXES, ImportanceAccumulator, Rankings, calibrate, rankings_from_accumulator
@@ -173,15 +173,13 @@ def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
     device = "cuda" if config.gpus_per_task > 0 else "cpu"
     task = ray.remote(calibrate_share).options(num_cpus=config.cpus_per_task, num_gpus=config.gpus_per_task)
     args = (config.parent_uri, cal.model_dump(), list(config.axes), config.cpus_per_task, device)
-    refs = {
-        # the first task shows progress for all (the shares are equal and run side by side): Ray would fold
-        # alike lines from several processes into one
-        task.remote(args[0], args[1], share, *args[2:], tag=f"task 1 of {n_tasks}", progress=config.progress and t == 0):
-        len(share)
+    # the first task shows progress for all (the shares are equal and run side by side): Ray would fold
+    # alike lines from several processes into one
+    pending = [
+        task.remote(*args[:2], share, *args[2:], tag=f"task {t + 1} of {n_tasks}", progress=config.progress and t == 0)
         for t, share in enumerate(shares)
-    }
+    ]
     acc = ImportanceAccumulator()
-    pending = list(refs)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         for ref in ready:
@@ -190,6 +188,11 @@ def _run_calibration(config: RankConfig) -> ImportanceAccumulator:
 
 
 # ---------------------------------------------------------------------- the permutation task
+def _depth_progress(total: int, desc: str, unit: str) -> Bar:
+    """The depth search's progress display (``depth_ranking`` takes any maker of one)."""
+    return progress_bar(total, f"rank {desc}", unit)
+
+
 @torch.no_grad()
 def check_permutation(model: Any, ids: torch.Tensor, permute: Callable[[Any], Any]) -> tuple[float, float]:
     """Apply ``permute(model)`` (in place) and compare the logits before and after on ``ids`` (rows, seq).

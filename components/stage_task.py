@@ -30,8 +30,10 @@ Design choices:
   (``runs_dir``) must be a filesystem every node mounts, as it already must be for the distillation
   workers that read the rank stage's output.
 * Progress: the driver prints one line when the task starts and one when it ends; what the task
-  prints is forwarded by Ray, and :func:`progress_bar` draws a bar the driver renders (Ray's
-  distributed tqdm) when called inside a task, plain tqdm otherwise.
+  prints is forwarded by Ray, and its progress goes through :func:`components.progress.progress_bar`
+  (plain lines, or one line the driver draws when it writes to a terminal).
+* A runtime started here gives its workers the pipeline's quiet-library setup
+  (:func:`components.console.worker_runtime_env`), as the pipeline's own runtime does.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from components.console import worker_runtime_env
 from components.tracking import MlflowTracker, NullTracker, Tracker
 
 
@@ -128,7 +131,12 @@ def ray_runtime(num_cpus: float = 2) -> Iterator[bool]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(2, math.ceil(num_cpus)), include_dashboard=False, log_to_driver=True)
+        ray.init(
+            num_cpus=max(2, math.ceil(num_cpus)),
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env=worker_runtime_env(local=True),
+        )
     try:
         yield started
     finally:
@@ -254,56 +262,3 @@ def run_task(
             flush=True,
         )
     return result, info
-
-
-# ---------------------------------------------------------------------- progress
-def in_ray_task() -> bool:
-    """Whether this code runs inside a Ray task or actor (not on the driver)."""
-    try:
-        import ray
-        import ray._private.worker as ray_worker
-    except ImportError:  # pragma: no cover - Ray is a dependency
-        return False
-    return ray.is_initialized() and ray_worker.global_worker.mode == ray.WORKER_MODE
-
-
-class _RayBar:
-    """tqdm's ``update`` / ``set_postfix`` / ``close`` over Ray's distributed tqdm (the driver draws it)."""
-
-    def __init__(self, total: int, desc: str, unit: str) -> None:
-        from ray.experimental.tqdm_ray import tqdm as ray_tqdm
-
-        self.desc = desc
-        self.bar = ray_tqdm(total=total, desc=desc, unit=unit)
-
-    def update(self, n: int = 1) -> None:
-        self.bar.update(n)
-
-    def set_postfix(self, **values: Any) -> None:
-        self.bar.set_description(self.desc + " " + ", ".join(f"{k}={v}" for k, v in values.items()))
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, **values: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def progress_bar(total: int, desc: str, unit: str = "it", disable: bool = False) -> Any:
-    """A progress bar with tqdm's ``update``, ``set_postfix`` and ``close``: plain tqdm in-process, Ray's
-    distributed tqdm inside a task (plain tqdm there would write carriage returns into forwarded logs)."""
-    if disable:
-        return _NoBar()
-    if in_ray_task():
-        return _RayBar(total, desc, unit)
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=unit)

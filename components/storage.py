@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 
 from components.settings import S3Settings, from_environment
 from components.settings import cache_dir as settings_cache_dir
+from model.layout import TOKENIZER_FILES
 
 METADATA_FILES: tuple[str, ...] = ("config.json", "manifest.json", "model.safetensors.index.json")
 """A checkpoint's files besides its weights and tokenizer that stages read before loading it."""
@@ -227,10 +228,8 @@ def fetch_files(uri: str | Path, names: Iterable[str], cache_dir: str | Path | N
 
 def fetch_metadata(uri: str | Path, cache_dir: str | Path | None = None) -> Path:
     """:func:`fetch_files` of a checkpoint's metadata: ``config.json``, ``manifest.json``, the shard index and the
-    tokenizer files (:data:`~components.data.tokenizer.TOKENIZER_FILES`), never a weight file. Enough for
+    tokenizer files (:data:`~model.layout.TOKENIZER_FILES`), never a weight file. Enough for
     :func:`~model.checkpoint.read_config` and :meth:`~components.data.tokenizer.TextTokenizer.load`."""
-    from components.data.tokenizer import TOKENIZER_FILES
-
     return fetch_files(uri, (*METADATA_FILES, *TOKENIZER_FILES), cache_dir)
 
 

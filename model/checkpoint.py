@@ -314,21 +314,12 @@ class CheckpointInfo:
 
     def dense_state(self) -> dict[str, Tensor]:
         """The tensors under the model's names, as the loader reads them (``mtp.*`` dropped, per-expert tensors
-        stacked, a tied head filled from the embeddings)."""
+        stacked, a tied head filled from the embeddings); :meth:`~model.hybrid.HybridLM.check_checkpoint`
+        checks them against the config."""
         state = to_canonical({k: v for k, v in self.tensors.items() if not k.startswith(_MTP_PREFIX)})
         if "lm_head.weight" not in state and self.raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
             state["lm_head.weight"] = state["model.embeddings.weight"]
         return state
-
-    def check_dense(self) -> int:
-        """Raise :class:`CheckpointError` naming every missing, unexpected or mis-shaped tensor of a dense
-        checkpoint against its config; returns its parameter count."""
-        from model.hybrid import HybridLM
-
-        with torch.device("meta"):  # shapes only: the meta device allocates nothing
-            model = HybridLM(self.config)
-        check_state(model.state_dict(), self.dense_state(), str(self.folder))
-        return model.num_parameters()
 
 
 def inspect_checkpoint(folder: str | Path, verify: bool = True) -> CheckpointInfo:
@@ -353,7 +344,7 @@ def inspect_checkpoint(folder: str | Path, verify: bool = True) -> CheckpointInf
 
 
 def _loaded_copy(key: str, view: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """An owned copy of ``view`` as :func:`load_model` holds it (floating: ``dtype``, router bias: float32)."""
+    """An owned copy of ``view`` as :func:`load_state` holds it (floating: ``dtype``, router bias: float32)."""
     return view.to(loaded_dtype(key, view, dtype), copy=True)
 
 
@@ -396,22 +387,19 @@ def _read_state(folder: Path, expected: Mapping[str, Tensor], dtype: torch.dtype
     return out
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None):
-    """Build a :class:`~model.hybrid.HybridLM` from a checkpoint folder; all-or-nothing.
+def load_state(path: str | Path, expected: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The tensors of a checkpoint folder under the model's names, checked against ``expected``; all-or-nothing.
 
-    ``dtype=None`` keeps every tensor in its stored dtype (bf16 files give a bf16 model); a ``dtype``
-    converts floating tensors as they are read. The router's ``e_score_correction_bias`` is float32
-    either way. Each tensor is copied once out of the files (see :func:`_read_state`). See the
-    module docstring for the layouts accepted.
+    ``expected``: the state dict of a model built from the folder's config (meta tensors suffice; it gives
+    the names and the stacked experts' shapes): :meth:`~model.hybrid.HybridLM.from_pretrained` builds it
+    and assigns the result. ``dtype=None`` keeps every tensor in its stored dtype (bf16 files give bf16
+    tensors); a ``dtype`` converts floating tensors as they are read. The router's
+    ``e_score_correction_bias`` is float32 either way. Each tensor is copied once out of the files (see
+    :func:`_read_state`). See the module docstring for the layouts accepted.
     """
-    from model.hybrid import HybridLM
-
     folder = Path(path)
-    config, raw = read_config(folder)
+    _, raw = read_config(folder)
     verify_manifest(folder)
-    with torch.device("meta"):
-        model = HybridLM(config)
-    expected = model.state_dict()
     tensors = _read_state(folder, expected, dtype)
     if "lm_head.weight" not in tensors and "model.embeddings.weight" in tensors:
         if not raw.get("tie_word_embeddings"):
@@ -422,9 +410,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None):
         # A tied checkpoint stores the matrix once. Our lm_head is a separate parameter (training may move it
         # away from the embedding), so it starts as a copy and the config is written back untied.
         tensors["lm_head.weight"] = tensors["model.embeddings.weight"].clone()
-    check_state(expected, tensors, str(folder))
-    model.load_state_dict(tensors, strict=True, assign=True)
-    return model.eval()
+    check_state(dict(expected), tensors, str(folder))
+    return tensors
 
 
 def write_checkpoint(

@@ -227,7 +227,7 @@ class HybridConfig(BaseModel):
         n_layers = data.pop("num_hidden_layers", None)
         if n_layers is not None and n_layers != len(pattern):
             raise ValueError(f"num_hidden_layers ({n_layers}) disagrees with the layer pattern ({len(pattern)} layers)")
-        # The loader materialises a tied lm_head as its own tensor (see model.checkpoint.load_model), so
+        # The loader materialises a tied lm_head as its own tensor (see model.checkpoint.load_state), so
         # every model built from this config owns an untied lm_head and the key is written back false.
         tied = data.pop("tie_word_embeddings", False)
         if not isinstance(tied, bool):

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention
 from model.cache import HybridCache, empty_cache
+from model.checkpoint import CheckpointInfo, check_state, load_state, read_config, save_model
 from model.config import HybridConfig
 from model.mamba import Mamba2Mixer
 from model.masks import LayerMask, ModelMask, NormFraction, active_fraction
@@ -153,17 +154,34 @@ class HybridLM(nn.Module):
                 mixer.gate.e_score_correction_bias.zero_()
         return self
 
-    @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
-        """Load a nemotron_h checkpoint folder (safetensors + config.json). See :mod:`model.checkpoint`."""
-        from model.checkpoint import load_model
+    @staticmethod
+    def from_pretrained(path: str | Path, dtype: torch.dtype | None = None) -> HybridLM:
+        """Load a nemotron_h checkpoint folder (safetensors + config.json); all-or-nothing.
 
-        return load_model(path, dtype=dtype)
+        ``dtype=None`` keeps every tensor in its stored dtype (bf16 files give a bf16 model); a ``dtype``
+        converts floating tensors as they are read (the router's bias stays float32). The model is built on
+        the meta device and takes the loaded tensors as they are, so each is held once (see
+        :func:`model.checkpoint.load_state` for the layouts accepted and the checks).
+        """
+        folder = Path(path)
+        config, _ = read_config(folder)
+        with torch.device("meta"):  # shapes only: every tensor is assigned from the files below
+            model = HybridLM(config)
+        model.load_state_dict(load_state(folder, model.state_dict(), dtype), strict=True, assign=True)
+        return model.eval()
+
+    @staticmethod
+    def check_checkpoint(info: CheckpointInfo) -> int:
+        """Raise :class:`~model.checkpoint.CheckpointError` naming every missing, unexpected or mis-shaped
+        tensor of the dense checkpoint ``info`` describes (its headers against its config); returns its
+        parameter count. No weight is read."""
+        with torch.device("meta"):  # shapes only: the meta device allocates nothing
+            model = HybridLM(info.config)
+        check_state(model.state_dict(), info.dense_state(), str(info.folder))
+        return model.num_parameters()
 
     def save_pretrained(self, path: str | Path, **kwargs) -> Path:
         """Write safetensors + config.json atomically. See :func:`model.checkpoint.save_model`."""
-        from model.checkpoint import save_model
-
         return save_model(self, path, **kwargs)
 
     # ------------------------------------------------------------------ forward

@@ -34,6 +34,20 @@ from torch import Tensor
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+"""Files that make up a checkpoint's tokenizer (and its generation config) beside the weights, as transformers
+writes them; every stage and every extracted budget carries the present ones forward."""
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 """transformers 5's ``save_pretrained`` default (ModelOpt's export passes ``10GB``)."""
 

@@ -244,7 +244,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = args.config
     if args.model_uri.startswith("models:/"):  # the pipeline's store by default; a bad URI fails here, before Ray
-        from components.register import find_model_version, registry_store
+        from components.model_uri import find_model_version, registry_store
         from components.serving.config import load_config
 
         config = load_config(args.config)

@@ -16,6 +16,10 @@ _FULL = {errno.ENOSPC, errno.EDQUOT}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
+class RunFolderBusy(RuntimeError):
+    """Another live process runs a pipeline in the same run folder (raised by the runner's folder lock)."""
+
+
 def causes(err: BaseException) -> Iterator[BaseException]:
     """``err`` and every exception behind it, each once."""
     seen: set[int] = set()
@@ -41,7 +45,6 @@ def machine_fault(err: BaseException) -> str | None:
     """The one line saying what failed and what to do, or None when ``err`` is not a machine fault."""
     from components.storage import StorageUnavailable
     from model.atomic import DiskFull
-    from pipelines.runner import RunFolderBusy
 
     for e in causes(err):
         if isinstance(getattr(e, "cause", None), BaseException):

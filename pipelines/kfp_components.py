@@ -74,7 +74,7 @@ def upstream_closure(stages: Sequence[StageSpec], stage: str) -> list[str]:
         if name not in needed:
             needed.add(name)
             todo.extend(by_name[name].depends)
-    return [s.name for s in topological(list(stages)) if s.name in needed]
+    return [s.name for s in topological(stages) if s.name in needed]
 
 
 def stage_uri(root: str | None, run_dir: Path, run_name: str, stage: str) -> str:

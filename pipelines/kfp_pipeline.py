@@ -13,7 +13,6 @@ Design notes: docs/kubernetes.md ("The Kubeflow pipeline").
 # annotations, and postponed (string) annotations would be taken as artifact types.
 import base64
 import copy
-import graphlib
 import hashlib
 import inspect
 import json
@@ -37,7 +36,7 @@ from pipelines.kfp_components import (
 )
 from pipelines.kfp_params import config_from_parameters, config_parameters, parameter_defaults, step_function
 from pipelines.kuberay.config import DEFAULT_NAMESPACE, ClusterConfig
-from pipelines.runner import StageSpec
+from pipelines.runner import StageSpec, topological
 
 PIPELINE_NAME = "star-elastic"
 MAX_UPSTREAM = 4  # input slots of the step component; a stage with more direct dependencies is refused
@@ -303,16 +302,14 @@ def _kfp() -> Any:
 
 
 def pipeline_dag(stages: Sequence[StageSpec]) -> dict[str, list[str]]:
-    """Stage -> direct upstream stages, in run order."""
-    deps = {spec.name: list(spec.depends) for spec in stages}
-    for name, upstream in deps.items():
-        unknown = [d for d in upstream if d not in deps]
-        if unknown:
-            raise ValueError(f"stage {name!r} depends on unknown stages {unknown}")
-        if len(upstream) > MAX_UPSTREAM:
-            raise ValueError(f"stage {name!r} has {len(upstream)} direct dependencies; steps take {MAX_UPSTREAM}")
-    order = list(graphlib.TopologicalSorter(deps).static_order())
-    return {name: deps[name] for name in order}
+    """Stage -> direct upstream stages, in the runner's order (:func:`~pipelines.runner.topological`), so a
+    step's upstream steps are built before it; a step takes at most :data:`MAX_UPSTREAM` upstream URIs."""
+    ordered = topological(stages)
+    for spec in ordered:
+        if len(spec.depends) > MAX_UPSTREAM:
+            n = len(spec.depends)
+            raise ValueError(f"stage {spec.name!r} has {n} direct dependencies; steps take {MAX_UPSTREAM}")
+    return {spec.name: list(spec.depends) for spec in ordered}
 
 
 def pipeline_signature(config: Any, cluster: ClusterConfig, stages_module: str) -> inspect.Signature:

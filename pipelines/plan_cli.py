@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,10 +148,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
         finally:
             tracker.finish()
     return 0 if plan.fits else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    parser = argparse.ArgumentParser(prog="star-elastic")
-    add_plan_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args()
-    sys.exit(ns.func(ns))

@@ -19,10 +19,12 @@ from pipelines.stages import pipeline_stages
 def _init_ray(cfg: PipelineConfig) -> None:
     import ray
 
+    from components.console import worker_runtime_env
+
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address)
+            ray.init(address=address, runtime_env=worker_runtime_env(local=False))
         else:
             # The dashboard serves Ray's State API, which Ray Train's placement-group cleaner polls: without
             # it every poll logs a warning. It also shows the run's tasks and actors at http://127.0.0.1:8265, for
@@ -32,6 +34,7 @@ def _init_ray(cfg: PipelineConfig) -> None:
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
                 log_to_driver=True,
+                runtime_env=worker_runtime_env(local=True),
             )
 
 
@@ -145,6 +148,11 @@ def run_pipeline(
 ) -> int:
     """Run the pipeline of ``config_path`` (with ``overrides``); ``checked``: what preflight found for that same
     config and these stages, whose stage configs are then used as they are (none is built again)."""
+    from components.console import quiet_libraries
+    from components.progress import line_buffered_console
+
+    quiet_libraries()  # this process's share of the library noise; Ray's workers run it at their start
+    line_buffered_console()
     if checked is not None and checked.config is not None:
         cfg, configs = checked.config, checked.stage_configs
     else:

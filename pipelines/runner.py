@@ -37,8 +37,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from components.progress import stage_heartbeat
 from components.tracking import NullTracker, Tracker
-from pipelines.errors import machine_fault
+from pipelines.errors import RunFolderBusy, machine_fault
 
 MARKER = "_stage.json"
 ATTEMPT = "_attempt.json"
@@ -147,13 +148,15 @@ def resolve_configs(
     return configs, errors
 
 
-def topological(stages: list[StageSpec]) -> list[StageSpec]:
-    """Stages in dependency order; unknown dependencies and cycles are errors."""
+def topological(stages: Sequence[StageSpec]) -> list[StageSpec]:
+    """The run order of the stage DAG: each stage after its dependencies, otherwise in list order (a depth-first
+    walk of the list). The one order every executor follows: this runner, and the Kubeflow pipeline's steps
+    (:func:`pipelines.kfp_pipeline.pipeline_dag`). Unknown dependencies and cycles are errors."""
     by_name = {s.name: s for s in stages}
     for s in stages:
-        for d in s.depends:
-            if d not in by_name:
-                raise ValueError(f"stage {s.name!r} depends on unknown stage {d!r}")
+        unknown = [d for d in s.depends if d not in by_name]
+        if unknown:
+            raise ValueError(f"stage {s.name!r} depends on unknown stages {unknown}")
     order: list[StageSpec] = []
     state: dict[str, int] = {}
 
@@ -286,7 +289,8 @@ class PipelineRunner:
             try:
                 with tracker.child(spec.name) as stage_tracker:
                     stage_tracker.set_tags({"stage": spec.name, "stage_key": keys[spec.name]})
-                    outputs = spec.run(configs[spec.name], stage_tracker, ctx)
+                    with stage_heartbeat(f"[{i}/{total}] {spec.name}", log):  # never quiet for long
+                        outputs = spec.run(configs[spec.name], stage_tracker, ctx)
             except Exception as err:
                 seconds = time.perf_counter() - start
                 (folder / "_error.txt").write_text(traceback.format_exc())
@@ -307,10 +311,6 @@ class PipelineRunner:
 
 
 LOCK = "_pipeline.lock"
-
-
-class RunFolderBusy(RuntimeError):
-    """Another live process runs a pipeline in the same run folder."""
 
 
 @contextmanager

@@ -57,8 +57,9 @@ def check_parent(folder: Path) -> int:
     that needs the weights starts.
     """
     from model.checkpoint import inspect_checkpoint
+    from model.hybrid import HybridLM
 
-    return inspect_checkpoint(folder).check_dense()
+    return HybridLM.check_checkpoint(inspect_checkpoint(folder))
 
 
 def run_parent(cfg: ParentStageConfig, tracker: Tracker, ctx: StageContext) -> dict[str, Any]:

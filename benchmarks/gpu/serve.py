@@ -121,12 +121,12 @@ def _serve(ctx: Context, ckpt: Path) -> None:
 
 async def _chat(state: Any, budget: str, timeout_s: float) -> dict[str, Any]:
     """One chat request to ``budget``, as the HTTP route runs it; the row's status and figures."""
-    from components.serving import protocol as P
+    from components.serving.request_models import ChatCompletionRequest, parse_request
     from components.serving.responses import Renderer, collect
 
     body = {"model": budget, "messages": [{"role": "user", "content": PROBLEM}], "max_tokens": 8,
             "reasoning_budget": 4}  # fmt: skip
-    req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
+    req = parse_request(ChatCompletionRequest, json.dumps(body).encode())
     start = time.perf_counter()
     jobs, prompts = state.make_jobs(req)
     state.submit(jobs)

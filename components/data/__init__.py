@@ -4,9 +4,9 @@ rows through the chat template with assistant-only targets, deterministic per-ra
 the built-in verifiable reasoning task and answer extraction."""
 
 from components.data.answers import extract_answer, is_correct, normalize_answer
-from components.data.batches import TrainBatch, assemble_batch, make_batch
+from components.data.batches import TrainBatch, assemble_batch
 from components.data.jsonl import problem_rows, read_jsonl, write_jsonl
-from components.data.mixture import describe_data, make_data_batch
+from components.data.mixture import describe_data, make_batch, make_data_batch
 from components.data.reasoning import (
     ANSWER_PREFIX,
     BOS,

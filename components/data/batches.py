@@ -17,19 +17,15 @@ Rows longer than ``seq_len`` are never cut silently: ``overlong="truncate"`` kee
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-from components.data.reasoning import ProblemConfig
 from components.data.render import Example
 
-if TYPE_CHECKING:
-    from components.data.tokenizer import TextTokenizer
-
-__all__ = ["TrainBatch", "assemble_batch", "make_batch"]
+__all__ = ["TrainBatch", "assemble_batch"]
 
 
 @dataclass
@@ -176,33 +172,4 @@ def assemble_batch(
         n_skipped=n_skipped,
         source_examples=source_examples,
         source_tokens=source_tokens,
-    )
-
-
-def make_batch(
-    config: ProblemConfig,
-    tokenizer: TextTokenizer,
-    batch_size: int,
-    seq_len: int,
-    seed: int,
-    index: int,
-    pack: bool = False,
-    exclude: Iterable[str] | None = None,
-) -> TrainBatch:
-    """Generator-only shortcut: batch ``index`` of the built-in task with knobs ``config``; the same as
-    :func:`~components.data.mixture.make_data_batch` with one generator source, phase ``"batch"`` and
-    ``step=index``."""
-    from components.data.mixture import make_data_batch
-    from components.data.sources import DataConfig, GeneratorSource
-
-    data = DataConfig(sources=[GeneratorSource.from_problems(config)], pack=pack)
-    return make_data_batch(
-        data,
-        tokenizer,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        seed=seed,
-        phase="batch",
-        step=index,
-        exclude=set(exclude) if exclude else None,
     )

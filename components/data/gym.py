@@ -1,7 +1,8 @@
 """Optional source: the offline procedural generators of the ``reasoning_gym`` package.
 
 The package is not a dependency of the project; it is imported only when this source is used, and
-a clear error says how to get it. Its tasks carry no reasoning traces, so rows are chat pairs user =
+a clear error says how to get it (:func:`~components.data.sources.require_gym`, which the source's config
+checks too). Its tasks carry no reasoning traces, so rows are chat pairs user =
 question, assistant = answer (direct-answer examples; useful as prompts for evaluation too).
 """
 
@@ -10,36 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from components.data.reasoning import PROMPT_PREFIX, Problem, derive_seed
-from components.data.sources import ChunkedReader, ReasoningGymSource
+from components.data.sources import ChunkedReader, ReasoningGymSource, require_gym
 
-__all__ = ["GymReader", "gym_available", "reasoning_gym_problems", "require_gym"]
-
-_MISSING = (
-    "the reasoning_gym source needs the optional package 'reasoning-gym' (pip install reasoning-gym); "
-    "the files and generator sources need nothing extra"
-)
-
-
-def gym_available() -> bool:
-    """Whether the ``reasoning_gym`` package can be imported."""
-    try:
-        import reasoning_gym  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def require_gym() -> Any:
-    """The ``reasoning_gym`` module.
-
-    Raises:
-        ImportError: naming the package to install.
-    """
-    try:
-        import reasoning_gym
-    except ImportError as e:
-        raise ImportError(_MISSING) from e
-    return reasoning_gym
+__all__ = ["GymReader", "reasoning_gym_problems"]
 
 
 def _entries(task: str, size: int, seed: int, config: dict[str, Any]) -> list[tuple[str, str]]:

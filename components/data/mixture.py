@@ -20,7 +20,7 @@ import numpy as np
 
 from components.data.batches import TrainBatch, assemble_batch
 from components.data.gym import GymReader
-from components.data.reasoning import derive_seed
+from components.data.reasoning import ProblemConfig, derive_seed
 from components.data.render import Example, render_rows
 from components.data.sources import (
     MIX_BLOCK,
@@ -35,7 +35,7 @@ from components.data.sources import (
 from components.data.streaming import StreamingFilesReader
 from components.data.tokenizer import TextTokenizer
 
-__all__ = ["apportion", "describe_data", "make_data_batch", "mixture_slots"]
+__all__ = ["apportion", "describe_data", "make_batch", "make_data_batch", "mixture_slots"]
 
 #: Examples rendered per source to measure its mean length (for packing and ``mix_by: tokens``).
 PROBE_EXAMPLES = 64
@@ -197,6 +197,31 @@ def make_data_batch(
     for ex, label in zip(examples, labels, strict=True):
         ex.source = plan.names[label]
     return assemble_batch(examples, batch_size, seq_len, tokenizer.pad_id, pack=data.pack, overlong=data.overlong)
+
+
+def make_batch(
+    config: ProblemConfig,
+    tokenizer: TextTokenizer,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    index: int,
+    pack: bool = False,
+    exclude: Iterable[str] | None = None,
+) -> TrainBatch:
+    """Generator-only shortcut: batch ``index`` of the built-in task with knobs ``config``; the same as
+    :func:`make_data_batch` with one generator source, phase ``"batch"`` and ``step=index``."""
+    data = DataConfig(sources=[GeneratorSource.from_problems(config)], pack=pack)
+    return make_data_batch(
+        data,
+        tokenizer,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        phase="batch",
+        step=index,
+        exclude=set(exclude) if exclude else None,
+    )
 
 
 def describe_data(data: DataConfig, tokenizer: TextTokenizer | None = None, n_rows: int = 4) -> list[dict[str, Any]]:

@@ -36,7 +36,9 @@ __all__ = [
     "ReasoningGymSource",
     "SourceConfig",
     "detect_format",
+    "gym_available",
     "problem_messages",
+    "require_gym",
     "source_names",
 ]
 
@@ -98,6 +100,34 @@ class GeneratorSource(ProblemConfig):
         return ProblemConfig(**self.model_dump(exclude={"type", "name", "weight"}))
 
 
+_MISSING = (
+    "the reasoning_gym source needs the optional package 'reasoning-gym' (pip install reasoning-gym); "
+    "the files and generator sources need nothing extra"
+)
+
+
+def gym_available() -> bool:
+    """Whether the optional ``reasoning_gym`` package (the ``reasoning_gym`` source) can be imported."""
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_gym() -> Any:
+    """The ``reasoning_gym`` module.
+
+    Raises:
+        ImportError: naming the package to install.
+    """
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ImportError(_MISSING) from e
+    return reasoning_gym
+
+
 class ReasoningGymSource(BaseModel):
     """A procedural task of the optional ``reasoning-gym`` package (prompts and answers, no traces)."""
 
@@ -113,8 +143,6 @@ class ReasoningGymSource(BaseModel):
 
     @model_validator(mode="after")
     def _installed(self) -> ReasoningGymSource:
-        from components.data.gym import require_gym
-
         try:
             require_gym()
         except ImportError as err:  # a config error, reported with the field path by pydantic

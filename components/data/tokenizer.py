@@ -28,6 +28,7 @@ except ImportError:  # another transformers layout: the reference path alone is 
     _compile_jinja_template = None
 
 from components.data.reasoning import BOS, EOS, PAD, THINK_CLOSE, THINK_OPEN, UNK
+from model.layout import TOKENIZER_FILES  # the tokenizer's files are part of the checkpoint layout
 
 __all__ = [
     "CONFIG_FILE",
@@ -44,19 +45,6 @@ __all__ = [
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-#: Files that make up a tokenizer in a checkpoint folder; every stage carries the present ones forward.
-TOKENIZER_FILES: tuple[str, ...] = (
-    TOKENIZER_FILE,
-    CONFIG_FILE,
-    "chat_template.jinja",
-    "chat_template.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    GENERATION_CONFIG_FILE,
-)
 
 _READS_REASONING = re.compile(r"reasoning_content|\.thinking\b|\[\s*['\"]thinking['\"]\s*\]")
 

@@ -194,7 +194,9 @@ class DistillConfig(BaseModel):
     )
     run_id: str | None = Field(None, description="MLflow run rank 0 logs into (None: the stage tracker's run).")
     experiment: str = Field("star-elastic", description="MLflow experiment of that run.")
-    log_every: int = Field(10, ge=1, description="Steps between MLflow metric rows and progress lines.")
+    log_every: int = Field(
+        10, ge=1, description="Steps between MLflow metric rows (progress lines show the latest row's losses)."
+    )
 
     # ------------------------------------------------------------------ hooks
     step_callback: str | None = Field(

@@ -70,6 +70,7 @@ from components.data import TextTokenizer, derive_seed, make_data_batch
 from components.distill import ckpt, heap, zero3
 from components.distill.config import DistillConfig, resolve_step_callback
 from components.distill.draws import draw_budget, draw_hard_sample, lr_factor, router_generator
+from components.progress import progress_bar
 from model.checkpoint import read_config
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
@@ -315,12 +316,6 @@ def memory_peaks(device: torch.device, host_baseline: int) -> dict[str, float]:
     return {"memory/host_peak_gb": peaks[0].item() / 1e9, "memory/device_peak_gb": peaks[1].item() / 1e9}
 
 
-def _fmt_eta(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
-
-
 # ---------------------------------------------------------------------- the Ray Train loop
 def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - one linear training loop
     """Entry point of every Ray Train worker (``train_loop_config`` is the dumped :class:`DistillConfig`)."""
@@ -395,6 +390,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
             ray.train.report({**metrics, "committed": 1.0})
 
     last = {"loss": float("nan")}
+    bar = progress_bar(cfg.steps, f"distill p{cfg.phase}", unit="step", disable=rank != 0, initial=start_step)
     for step in range(start_step, cfg.steps):
         if step_callback is not None:
             step_callback(cfg, step, rank, world)
@@ -422,6 +418,7 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
             engine.step()
             acc[b_idx] += torch.tensor([kd.item(), bl.loss.item(), 1.0], dtype=torch.float64)
         state.next_step = step + 1
+        bar.update(1)
         state.tokens_seen += tokens_per_step
         state.train_seconds = seconds_before + time.perf_counter() - loop_start
 
@@ -461,15 +458,12 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
             if rank == 0:
                 tracker.log_metrics({**row, **routed}, step=done)
                 state.history.append({"step": done, **row})
-                eta = (cfg.steps - done) * elapsed / max(done - start_step, 1)
-                print(
-                    f"[distill p{cfg.phase}] step {done}/{cfg.steps} loss {row['loss']:.4f} kd {row['kd']:.4f} "
-                    f"budget {row['budget_loss']:.4f} tok/s {rate:,.0f} eta {_fmt_eta(eta)}",
-                    flush=True,
-                )
+                shown = {"loss": row["loss"], "kd": row["kd"], "budget": row["budget_loss"]}
+                bar.set_postfix({**{k: f"{v:.4f}" for k, v in shown.items()}, "tok/s": f"{rate:,.0f}"})
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             row = {"step": float(done), "loss": last["loss"], "attempt": float(state.attempt)}
             save_and_report(row, commit=done < cfg.steps)  # the final report is drained before fit() returns
+    bar.close()
 
     if start_step >= cfg.steps:  # restored from a finished run: report the final state again
         save_and_report({"step": float(state.next_step), "loss": last["loss"], "attempt": float(state.attempt)}, False)

@@ -2,9 +2,9 @@
 
 ``build_app(args)`` is the Serve application builder (``components.serving.app:build_app``),
 ``serve_foreground(model_uri, port, config)`` serves locally until SIGTERM / Ctrl-C (what
-``star-elastic serve`` runs), ``ServingApp(state)`` is the HTTP API without Ray, ``ServingConfig``
-documents every setting. The Ray-dependent entry points are imported on first use so that reading
-the config does not start importing Ray.
+``star-elastic serve`` runs), ``ServingApp(state)`` is the HTTP API without Ray
+(:mod:`components.serving.api`), ``ServingConfig`` documents every setting. The entry points are imported on
+first use so that reading the config does not start importing Ray or torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ __all__ = ["AutoscalingSettings", "ServingApp", "ServingConfig", "build_app", "l
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build_app", "serve_foreground", "ServingApp"):
+    if name == "ServingApp":
+        from components.serving.api import ServingApp
+
+        return ServingApp
+    if name in ("build_app", "serve_foreground"):
         from components.serving import app
 
         return getattr(app, name)

@@ -17,16 +17,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from components.serving.grammar import allowed_tokens
+from components.serving.job import Job
 from components.serving.logprobs import LogprobEntry, prompt_logprobs, token_logprobs
 from model import generate as gen  # the primitives of model.generate's batched loop
-
-if TYPE_CHECKING:
-    from components.serving.engine import Job
 
 
 @dataclass(eq=False)

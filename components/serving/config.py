@@ -355,7 +355,7 @@ def resolve_checkpoint(model_uri: str, config: ServingConfig) -> Path:
     from components.storage import is_s3, materialize  # imported here: boto3 and mlflow are heavy
 
     if model_uri.startswith("models:/"):
-        from components.register import resolve_model_uri
+        from components.model_uri import resolve_model_uri
 
         # fp8 / nvfp4 / dense: the registered family's version of that format (tags version.<format>)
         dst = Path(config.cache_dir) / "models" if config.cache_dir else None

@@ -1,7 +1,7 @@
 """The Ray Serve deployments: model replicas behind a light ingress that outlives them.
 
 ``StarElasticServer`` is a model replica: one weight copy, every budget, the HTTP API of
-:class:`~components.serving.app.ServingApp` driven in-process (no HTTP of its own), and a
+:class:`~components.serving.api.ServingApp` driven in-process (no HTTP of its own), and a
 ``check_health`` that fails when the decode thread is gone or wedged, so Serve replaces the replica.
 ``StarElasticIngress`` answers HTTP: it holds no model, forwards each request to a model replica
 through a deployment handle and relays the answer, and is what still answers when a replica dies:
@@ -83,7 +83,9 @@ class StarElasticServer:
     """
 
     def __init__(self, model_uri: str, config: dict[str, Any] | None = None) -> None:
-        from components.serving.app import ServingApp, ServingState  # app imports this module lazily
+        # here, not at the top: the ingress imports this module too and holds no model (no torch, no engine)
+        from components.serving.api import ServingApp
+        from components.serving.state import ServingState
 
         self.config = ServingConfig.model_validate(config or {})
         self.api = ServingApp(ServingState(model_uri, self.config))

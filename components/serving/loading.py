@@ -148,6 +148,7 @@ def check_checkpoint(folder: str | Path, config: ServingConfig | None = None) ->
     file and the problem. See the module docstring for what is checked.
     """
     from model.elastic.export import read_elastic
+    from model.hybrid import HybridLM
 
     config = config or ServingConfig()
     folder = Path(folder)
@@ -164,7 +165,7 @@ def check_checkpoint(folder: str | Path, config: ServingConfig | None = None) ->
         info = inspect_checkpoint(folder)
         hybrid, fmt = info.config, info.format
         if fmt == "dense":
-            info.check_dense()
+            HybridLM.check_checkpoint(info)
         else:
             _check_quantized(folder, hybrid, fmt, info.tensors)
         names = ["full"]

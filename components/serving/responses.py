@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from components.serving import protocol as P
-from components.serving.engine import Job, JobResult
+from components.serving.job import Job, JobResult
 from components.serving.logprobs import LogprobEntry, TokenText, chat_logprobs, completion_logprobs
+from components.serving.request_models import ChatCompletionRequest
 from components.serving.state import Prompt
 from components.serving.tools import ParsedCall, ToolFormat, ToolStream
 
@@ -76,7 +77,7 @@ class Renderer:
         fmt: ToolFormat | None = None,
     ) -> None:
         self.req, self.jobs, self.prompts, self.token_text = req, jobs, prompts, token_text
-        self.chat = isinstance(req, P.ChatCompletionRequest)
+        self.chat = isinstance(req, ChatCompletionRequest)
         self.echo = bool(getattr(req, "echo", False))
         self.id = P.new_id("chatcmpl" if self.chat else "cmpl")
         self.created = P.now()

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from components.serving import protocol as P
 from components.serving.constraints import FUNCTION_NAME, choice_kind
-from components.serving.protocol import ReasoningEffort
+from components.serving.request_models import ChatCompletionRequest, ReasoningEffort, json_object_text
 
 __all__ = ["ResponsesRequest"]
 
@@ -66,7 +66,7 @@ class FunctionCallItem(_Strict):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, v: str) -> str:
-        return P.json_object_text(v)
+        return json_object_text(v)
 
 
 class FunctionCallOutputItem(_Strict):
@@ -255,7 +255,7 @@ class ResponsesRequest(_Strict):
                 origin.append(where)
         return messages, origin
 
-    def to_chat(self) -> tuple[P.ChatCompletionRequest, list[str]]:
+    def to_chat(self) -> tuple[ChatCompletionRequest, list[str]]:
         """The equivalent chat request, and the origin of each of its messages (for :meth:`rename`)."""
         messages, origin = self.messages()
         body: dict[str, Any] = {
@@ -288,7 +288,7 @@ class ResponsesRequest(_Strict):
         elif fmt is not None:
             body["response_format"] = {"type": fmt.type}
         try:
-            return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), origin
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}), origin
         except ValidationError as err:  # what only the chat rules check (e.g. no user message)
             raise self.rename(P.validation_error(err), origin) from None
 

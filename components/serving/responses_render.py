@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from components.serving import protocol as P
-from components.serving.engine import Job, JobResult
+from components.serving.job import Job, JobResult
 from components.serving.responses import Finish, budget_control, cancel
 from components.serving.responses_api import ResponsesRequest, dump_tools
 from components.serving.state import Prompt

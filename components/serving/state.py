@@ -27,11 +27,13 @@ from fastapi import Request
 from components.serving import protocol as P
 from components.serving.config import ServingConfig, resolve_checkpoint
 from components.serving.constraints import Constraint, ConstraintError, build_constraint, compile_constraint
-from components.serving.engine import Engine, EngineStopped, Job
+from components.serving.engine import Engine, EngineStopped
 from components.serving.grammar import Grammars
+from components.serving.job import Job
 from components.serving.loading import LoadedModel
 from components.serving.metrics import ServingMetrics
 from components.serving.prompts import PromptError, PromptRules, check_length
+from components.serving.request_models import ChatCompletionRequest, CompletionRequest
 from components.serving.tools import tool_format
 from model import request_plan as rp
 from model.generate import SamplingParams
@@ -187,10 +189,10 @@ class ServingState:
         except rp.PlanError as err:
             raise _refusal(err) from None
 
-    def constraint(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[Constraint, Any]:
+    def constraint(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[Constraint, Any]:
         """The request's constraint and its compiled grammar (cached; None without one); a 400 naming the field
         otherwise."""
-        chat = isinstance(req, P.ChatCompletionRequest)
+        chat = isinstance(req, ChatCompletionRequest)
         try:
             constraint = build_constraint(
                 self.tool_format, self.config.json_style, req.response_format, req.structured_outputs,
@@ -210,17 +212,17 @@ class ServingState:
             raise P.OpenAIError(400, err.message, param=err.param, code="invalid_value") from None
         return constraint, compiled
 
-    def template_kwargs(self, req: P.ChatCompletionRequest) -> dict[str, Any]:
+    def template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """``chat_template_kwargs``, plus vLLM's ``reasoning_effort`` / ``enable_thinking`` when an effort is given."""
         kwargs: dict[str, Any] = {}
         if req.reasoning_effort is not None:
             kwargs = {"reasoning_effort": req.reasoning_effort, "enable_thinking": req.reasoning_effort != "none"}
         return {**kwargs, **(req.chat_template_kwargs or {})}
 
-    def prompts(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> list[Prompt]:
+    def prompts(self, req: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
         """The request's prompts, checked (no control text in chat, non-empty, not too long)."""
         try:
-            if isinstance(req, P.ChatCompletionRequest):
+            if isinstance(req, ChatCompletionRequest):
                 tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
                 messages = [m.for_template() for m in req.messages]
                 ids, thinks = self.rules.chat(messages, tools or None, self.template_kwargs(req))
@@ -240,7 +242,7 @@ class ServingState:
         echo_text = prompt if isinstance(prompt, str) else self.loaded.tokenizer.decode(prompt)
         return Prompt(ids, thinks, echo_text)
 
-    def _effort(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[int | None, str | None]:
+    def _effort(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[int | None, str | None]:
         """``(think cap, think_model)`` of the request: its own fields, else its reasoning_effort's setting (whose
         thinking budget applies only when it is not larger than the answering one)."""
         cfg = self.config
@@ -262,7 +264,7 @@ class ServingState:
         larger = cards[setting.think_model].active_params > cards[req.model].active_params
         return cap, None if larger and not cfg.allow_think_larger else setting.think_model
 
-    def make_jobs(self, req: P.ChatCompletionRequest | P.CompletionRequest) -> tuple[list[Job], list[Prompt]]:
+    def make_jobs(self, req: ChatCompletionRequest | CompletionRequest) -> tuple[list[Job], list[Prompt]]:
         """One job per (prompt, choice) as :func:`model.request_plan.plan` plans it, sharing one event queue; the
         prompts too (for ``echo``)."""
         cfg = self.config
@@ -278,7 +280,7 @@ class ServingState:
                 400, f"n: {len(prompts)} prompt(s) x n={req.n} = {count} sequences, more than the limit of "
                 f"{cfg.max_choices_per_request} per request", param="n", code="invalid_value",
             )  # fmt: skip
-        completion = isinstance(req, P.CompletionRequest)  # a chat prompt whose template does not think ignores them
+        completion = isinstance(req, CompletionRequest)  # a chat prompt whose template does not think ignores them
         thinking_fields = tuple(
             name for name in ("think_model", "thinking_token_budget", "reasoning_budget")
             if completion and getattr(req, name) is not None

@@ -69,6 +69,12 @@ class Architecture(BaseModel):
             out["layers"] = {i: ov.model_dump(exclude_none=True) for i, ov in sorted(self.layers.items())}
         return out
 
+    @classmethod
+    def largest_in(cls, space: ElasticSpace, config: HybridConfig) -> Architecture:
+        """The largest architecture of ``space``: every elastic axis at its first (full) candidate."""
+        space.validate_against(config)
+        return cls(**{axis: getattr(space, axis)[0] for axis in space.elastic_axes})
+
     # ------------------------------------------------------------------ validation
     def validate(
         self, config: HybridConfig, space: ElasticSpace | None = None, depth_order: Sequence[int] | None = None

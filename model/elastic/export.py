@@ -57,21 +57,9 @@ from model.elastic.router import BudgetRouter
 from model.elastic.slicing import extract, extract_config
 from model.elastic.space import ElasticSpace
 from model.hybrid import HybridLM
-from model.layout import DEFAULT_MAX_SHARD_SIZE
+from model.layout import DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES
 
 FORMAT_VERSION = 1
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-"""Files copied from a nested checkpoint into every extracted budget when present."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ Design notes (when frequency beats REAP, per-expert FFN importance): docs/elasti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,14 @@ from model.moe import MoE
 
 if TYPE_CHECKING:
     from model.config import HybridConfig
-    from model.elastic.importance import ImportanceAccumulator
+
+
+class StatisticSink(Protocol):
+    """Where :class:`MoECalibration` adds its statistics: any additive store of named sums, such as
+    :class:`~model.elastic.importance.ImportanceAccumulator` (which also turns them into scores)."""
+
+    def add(self, key: str, value: Tensor) -> None:
+        """Add the reduced statistic ``value`` (any shape) to the running sum under ``key``."""
 
 
 def reap_key(layer: int) -> str:
@@ -47,9 +54,7 @@ class MoECalibration:
     already set on the MoE is restored on detach.
     """
 
-    def __init__(
-        self, moe: MoE, layer: int, acc: ImportanceAccumulator, reap: bool = True, expert_ffn: bool = True
-    ) -> None:
+    def __init__(self, moe: MoE, layer: int, acc: StatisticSink, reap: bool = True, expert_ffn: bool = True) -> None:
         self.moe = moe
         self.layer = layer
         self.acc = acc

@@ -10,14 +10,9 @@ Design notes: docs/elastic.md ("The search space").
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model.config import HybridConfig
-
-if TYPE_CHECKING:
-    from model.elastic.arch import Architecture
 
 AXES: tuple[str, ...] = (
     "hidden",
@@ -188,10 +183,3 @@ class ElasticSpace(BaseModel):
                 problems.extend(p for v in values if (p := nvfp4_problem(config, axis, v)) is not None)
         if problems:
             raise ValueError("elastic space does not fit the model: " + "; ".join(problems))
-
-    def full_arch(self, config: HybridConfig) -> Architecture:
-        """The largest architecture of the space: every elastic axis at its first (full) candidate."""
-        from model.elastic.arch import Architecture
-
-        self.validate_against(config)
-        return Architecture(**{axis: getattr(self, axis)[0] for axis in self.elastic_axes})

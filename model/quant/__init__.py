@@ -12,7 +12,6 @@ from .checkpoint import (
     dequantize_model,
     load_quantized_model,
     quantization_config,
-    quantize_checkpoint,
     quantize_model,
     quantized_format,
 )
@@ -43,6 +42,7 @@ from .nvfp4 import (
     unpack_e2m1,
 )
 from .qlinear import QUANT_FORMATS, QUANT_PRESETS, QuantFormat, QuantLinear, QuantPreset, quantize_module
+from .quantize import quantize_checkpoint
 
 __all__ = [
     "DEFAULT_CACHE_DEQUANTIZED",

@@ -1,4 +1,5 @@
-"""Quantized checkpoints: calibrate, quantize a (nested) checkpoint once, write it, load it back.
+"""Quantized checkpoints: calibrate, quantize a model, read the folder back (writing it once from a nested
+checkpoint is :func:`model.quant.quantize.quantize_checkpoint`).
 
 The folder is what NVIDIA Model-Optimizer exports: the published layout (:mod:`model.layout`) with
 ``X.weight``, ``X.weight_scale``, ``X.weight_scale_2`` (nvfp4) and ``X.input_scale`` (fp8, nvfp4_w4a4)
@@ -26,11 +27,9 @@ from model.checkpoint import (
     CONFIG_NAME,
     CheckpointError,
     check_state,
-    load_model,
     read_tensors,
     to_canonical,
     verify_manifest,
-    write_checkpoint,
 )
 from model.config import HybridConfig
 from model.hybrid import HybridLM
@@ -42,11 +41,9 @@ from .experts import DEFAULT_CACHE_DEQUANTIZED, QuantExperts
 from .fp8 import FP8_DTYPE, AmaxObserver
 from .modelopt import (
     QUANT_ALGOS,
-    calibrate_kv_amax,
     file_module_name,
     format_of,
     hf_quant_config,
-    kv_scales,
     quantization_config_of,
     run_under_hooks,
     weight_format,
@@ -62,7 +59,6 @@ __all__ = [
     "build_quantized_model",
     "load_quantized_model",
     "quantization_config",
-    "quantize_checkpoint",
     "quantize_model",
     "quantized_format",
     "read_quantized_tensors",
@@ -239,88 +235,6 @@ def quantization_config(fmt: str, ignore: Sequence[str], kv_cache: str | None = 
     are the dense modules under the model's names (written with the files' ``backbone.`` prefix)."""
     _check_format(fmt)
     return quantization_config_of(hf_quant_config(fmt, [file_module_name(n) for n in ignore], kv_cache))
-
-
-# ---------------------------------------------------------------------- writing
-def quantize_checkpoint(
-    src_dir: str | Path,
-    out_dir: str | Path,
-    fmt: QuantFormat,
-    preset: str = "default",
-    calib_batches: Iterable[Tensor] | None = None,
-    calibrate_budgets: bool = True,
-    dense_dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-) -> Path:
-    """Quantize a (nested) checkpoint once and write it as a quantized checkpoint folder.
-
-    Args:
-        src_dir: an unquantized ``nemotron_h`` checkpoint, usually nested (``elastic`` section).
-        out_dir: the folder to write (replaced atomically if it exists).
-        fmt: ``"fp8"`` or ``"nvfp4"``.
-        preset: ``"default"`` | ``"conservative"`` | ``"all"`` (see :data:`QUANT_PRESETS`).
-        calib_batches: token id batches (batch, seq) for the fp8 activation scales; ``None`` uses
-            :func:`synthetic_calibration_batches`. Unused for nvfp4.
-        calibrate_budgets: also calibrate under every budget's hard mask (module docstring).
-        dense_dtype: dtype of the tensors kept in high precision (e.g. ``torch.bfloat16``, what
-            serving engines load); ``None`` keeps the source dtype. Scales and the router's
-            selection bias stay fp32 either way.
-        device: where the fp8 calibration forwards run (e.g. ``"cuda"`` in a task that reserves a GPU); the
-            model comes back to the CPU before it is quantized and written, so only the observed activation
-            ranges depend on it.
-
-    Returns:
-        ``out_dir``. Raises ``ValueError`` for an already quantized source, an unknown format or
-        preset, and (nvfp4) a nested width that splits a 16-element block, naming axis and width.
-    """
-    from model.quant.nesting import budget_architectures, check_nvfp4_alignment  # nesting imports this module
-
-    _check_format(fmt)
-    src = Path(src_dir)
-    raw = json.loads((src / CONFIG_NAME).read_text(encoding="utf-8")) if (src / CONFIG_NAME).exists() else {}
-    if raw.get("quantization_config"):
-        raise ValueError(f"{src}: already quantized ({raw['quantization_config'].get('quant_algo')}); start from bf16")
-    model = load_model(src)  # verifies the manifest
-    config: HybridConfig = model.config
-    preset_obj = _preset(preset).for_config(config)
-    archs, depth_order = budget_architectures(src)
-    if weight_format(fmt) == "nvfp4":
-        check_nvfp4_alignment(config, archs, depth_order, preset_obj)
-    amax = None
-    kv: dict[str, Tensor] = {}
-    if fmt != "nvfp4" or preset_obj.kv_cache:  # static activation or KV-cache scales to calibrate
-        from model.elastic.build_masks import hard_mask
-
-        batches = list(calib_batches) if calib_batches is not None else synthetic_calibration_batches(config.vocab_size)
-        device = torch.device(device)
-        masks: list[ModelMask | None] = [None]
-        if calibrate_budgets:
-            masks += [hard_mask(config, a, depth_order, device) for a in archs.values() if a.to_dict()]
-        model.to(device)
-        try:
-            if fmt != "nvfp4":
-                amax = {k: v.cpu() for k, v in calibrate_input_amax(model, batches, masks, preset_obj).items()}
-            if preset_obj.kv_cache:
-                kv = kv_scales(calibrate_kv_amax(model, batches, masks))
-        finally:
-            model.to("cpu")  # quantized and written on the CPU whatever the calibration device
-    quantize_model(model, fmt, preset_obj, amax)
-    hf = hf_quant_config(fmt, [file_module_name(n) for n in kept_dense_names(model)], preset_obj.kv_cache)
-    from model.elastic.export import tokenizer_files
-
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if dense_dtype is not None:
-        state = {k: _to_compute_dtype(k, v, dense_dtype) for k, v in state.items()}
-    state.update(kv)
-    return write_checkpoint(
-        out_dir,
-        state,
-        config,
-        metadata={"quant_algo": QUANT_ALGOS[fmt]},
-        extra_config={"quantization_config": quantization_config_of(hf)},
-        extra_files=tokenizer_files(src),
-        extra_json={HF_QUANT_CONFIG: hf},
-    )
 
 
 # ---------------------------------------------------------------------- loading

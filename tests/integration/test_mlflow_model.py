@@ -41,7 +41,7 @@ def registered(mlflow_server, tiny_nested_checkpoint, tmp_path_factory):
     from components.register import RegisterConfig, run_register
     from components.tracking import MlflowTracker
     from model.elastic.export import read_elastic
-    from model.quant.checkpoint import quantize_checkpoint
+    from model.quant.quantize import quantize_checkpoint
 
     fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path_factory.mktemp("fp8") / "nested", "fp8")
     budgets = [
@@ -110,8 +110,7 @@ def test_get_model_info_describes_a_pyfunc(registered):
 def test_the_checkpoint_lives_inside_the_model(registered, tiny_nested_checkpoint, tmp_path):
     import mlflow
 
-    from components.mlflow_model import checkpoint_folder
-    from components.register import resolve_model_uri
+    from components.model_uri import checkpoint_folder, resolve_model_uri
 
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{NAME}@champion", dst_path=str(tmp_path / "m")))
     assert (local / "MLmodel").is_file() and (local / "code" / "components" / "mlflow_model.py").is_file()

@@ -15,7 +15,8 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from components.register import RegisterConfig, resolve_model_uri, run_register
+from components.model_uri import resolve_model_uri
+from components.register import RegisterConfig, run_register
 from components.tracking import MlflowTracker
 from pipelines.cli import main
 from pipelines.config import load_pipeline_config

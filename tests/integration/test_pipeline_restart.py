@@ -54,7 +54,8 @@ def command(runs: Path, tracking_uri: str) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # a progress line at every step (not every few seconds): the kill follows the steps
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "STAR_ELASTIC_PROGRESS_INTERVAL_S": "0"}
     env.pop("RAY_ADDRESS", None)  # each run starts (and, when killed, loses) its own local Ray
     return env
 

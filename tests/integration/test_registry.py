@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from components.register import PromotionGate, RegisterConfig, gate_decision, resolve_model_uri, run_register
+from components.model_uri import resolve_model_uri
+from components.register import PromotionGate, RegisterConfig, gate_decision, run_register
 from components.tracking import MlflowTracker
 from model.hybrid import HybridLM
 

@@ -442,7 +442,8 @@ def test_metrics_per_budget(http):
 def test_engine_matches_think_then_answer(tiny_nested_checkpoint):
     """The server's incremental loop gives what model.phases.think_then_answer gives (batched, seeded)."""
     from components.serving.config import ServingConfig
-    from components.serving.engine import Engine, Job
+    from components.serving.engine import Engine
+    from components.serving.job import Job
     from components.serving.loading import LoadedModel
     from model.generate import SamplingParams
     from model.phases import think_then_answer
@@ -496,7 +497,8 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
     """A request arriving while another decodes joins its batch at the next step (a shorter KV history,
     left-padded) and still gets exactly what it gets alone; with merging off it decodes in its own batch."""
     from components.serving.config import ServingConfig
-    from components.serving.engine import Engine, Job
+    from components.serving.engine import Engine
+    from components.serving.job import Job
     from components.serving.loading import LoadedModel
     from model.generate import SamplingParams
     from model.phases import think_then_answer
@@ -543,7 +545,7 @@ def test_requests_join_a_batch_that_is_already_decoding(tiny_nested_checkpoint, 
 # ---------------------------------------------------------------------- checkpoint sources and formats (no Ray)
 def _ask_every_budget(state) -> dict[str, dict]:
     """Serve ``state`` through the HTTP API in-process and ask every budget once (elastic for the largest)."""
-    from components.serving.app import ServingApp
+    from components.serving.api import ServingApp
 
     api = ServingApp(state)
 
@@ -566,8 +568,8 @@ def _ask_every_budget(state) -> dict[str, dict]:
 
 
 def test_fp8_checkpoint_serves_every_budget_from_one_quantized_copy(tiny_nested_checkpoint, tmp_path):
-    from components.serving.app import ServingState
     from components.serving.config import ServingConfig
+    from components.serving.state import ServingState
     from model.quant import quantize_checkpoint
 
     fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
@@ -580,8 +582,8 @@ def test_fp8_checkpoint_serves_every_budget_from_one_quantized_copy(tiny_nested_
 
 
 def test_fp8_checkpoint_serves_smaller_budgets_at_their_own_size(tiny_nested_checkpoint, tmp_path):
-    from components.serving.app import ServingState
     from components.serving.config import ServingConfig
+    from components.serving.state import ServingState
     from model.quant import quantize_checkpoint
 
     fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
@@ -598,8 +600,8 @@ def test_fp8_checkpoint_serves_smaller_budgets_at_their_own_size(tiny_nested_che
 
 
 def test_loads_from_s3(s3_server, tiny_nested_checkpoint, tmp_path):
-    from components.serving.app import ServingState
     from components.serving.config import ServingConfig
+    from components.serving.state import ServingState
     from components.storage import publish
 
     uri = publish(tiny_nested_checkpoint, "s3://test-bucket/serving/nested")
@@ -610,8 +612,8 @@ def test_loads_from_s3(s3_server, tiny_nested_checkpoint, tmp_path):
 
 def test_loads_from_the_registry_champion(mlflow_server, tiny_nested_checkpoint, tmp_path):
     from components.register import RegisterConfig, run_register
-    from components.serving.app import ServingState
     from components.serving.config import ServingConfig
+    from components.serving.state import ServingState
     from components.tracking import MlflowTracker
 
     tracker = MlflowTracker(mlflow_server, "serving-test", run_name="register")

@@ -202,9 +202,9 @@ def test_a_wedged_decode_thread_fails_the_health_check(tiny_nested_checkpoint, m
 
         async def submit() -> None:
             state = replica.api.state
-            from components.serving import protocol as P
+            from components.serving.request_models import ChatCompletionRequest, parse_request
 
-            req = P.parse_request(P.ChatCompletionRequest, json.dumps(body(0, False)).encode())
+            req = parse_request(ChatCompletionRequest, json.dumps(body(0, False)).encode())
             jobs, _ = state.make_jobs(req)
             state.submit(jobs)
             assert await asyncio.to_thread(entered.wait, 30)

@@ -33,7 +33,7 @@ def _serve(state, scenario):
     """Run ``scenario(oai, http)`` against the app over an in-process transport, then stop the engine."""
     import openai
 
-    from components.serving.app import ServingApp
+    from components.serving.api import ServingApp
 
     api = ServingApp(state)
 
@@ -250,7 +250,7 @@ def test_a_handler_bug_is_a_500_and_the_app_keeps_serving(tiny_nested_checkpoint
 def test_the_app_lifespan_stops_the_engine(tiny_nested_checkpoint):
     """Shutdown is explicit: the ASGI server's lifespan end (uvicorn, or Serve stopping a replica) calls
     ``ServingApp.close``, after which the probes and requests answer 503."""
-    from components.serving.app import ServingApp
+    from components.serving.api import ServingApp
 
     api = ServingApp(_state(tiny_nested_checkpoint))
     app = api.fastapi

@@ -21,8 +21,9 @@ from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
 from components.distill.ckpt import STATE_FILE, TrainState
 from components.distill.config import DistillConfig
 from components.distill.stage import consolidate_output, run_export
+from components.progress import in_ray_task
 from components.rank import CalibrationConfig, RankConfig, run_rank
-from components.stage_task import RemoteTraceback, TaskResources, in_ray_task, run_task
+from components.stage_task import RemoteTraceback, TaskResources, run_task
 from components.tracking import MlflowTracker, NullTracker
 from model.checkpoint import iter_tensors, to_canonical
 from model.config import HybridConfig
@@ -168,7 +169,7 @@ def test_tasks_know_they_are_tasks_and_impossible_requests_are_refused(ray_runti
     inside, task = run_task(
         in_ray_task, resources=TaskResources(num_cpus=1), name="probe", field="x", pass_tracker=False
     )
-    assert inside and task.pid != os.getpid()  # so progress_bar draws Ray's bar there
+    assert inside and task.pid != os.getpid()  # so progress_bar writes plain lines (or Ray's bar) there
     with pytest.raises(ValueError, match=r"evaluate.resources: the task asks for 1000 CPU but no node of the local"):
         run_task(in_ray_task, resources=TaskResources(num_cpus=1000), name="x", field="evaluate.resources")
 

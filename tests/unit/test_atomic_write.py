@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from model.atomic import publish_folder
-from model.checkpoint import CheckpointError, load_model, write_checkpoint
+from model.checkpoint import CheckpointError, write_checkpoint
 from model.hybrid import HybridLM
 
 
@@ -123,7 +123,7 @@ def test_checkpoint_manifest_covers_every_file_and_is_verified_on_load(tmp_path,
     for name, info in manifest.items():
         blob = (out / name).read_bytes()
         assert info == {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
-    loaded = load_model(out)
+    loaded = HybridLM.from_pretrained(out)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -133,11 +133,11 @@ def test_checkpoint_manifest_covers_every_file_and_is_verified_on_load(tmp_path,
     blob[-3] ^= 0xFF
     weights.write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match="model.safetensors does not match its SHA-256"):
-        load_model(out)
+        HybridLM.from_pretrained(out)
     weights.write_bytes(intact)
     (out / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="tokenizer.json listed in manifest.json is missing"):
-        load_model(out)
+        HybridLM.from_pretrained(out)
 
 
 def test_write_checkpoint_failure_keeps_the_previous_checkpoint(tmp_path, tiny_config):
@@ -150,4 +150,4 @@ def test_write_checkpoint_failure_keeps_the_previous_checkpoint(tmp_path, tiny_c
         write_checkpoint(good, tensors, tiny_config, extra_files={"tokenizer.json": missing})
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
-    load_model(good)  # still loads, hashes intact
+    HybridLM.from_pretrained(good)  # still loads, hashes intact

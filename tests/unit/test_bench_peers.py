@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_peers import BUDGETS, PARENT, QUICK_BUDGETS, QUICK_PARENT, budget_widths, elastic_space
+from benchmarks.peers_family import BUDGETS, PARENT, QUICK_BUDGETS, QUICK_PARENT, budget_widths, elastic_space
 from benchmarks.peers_llamacpp import first_divergence, llama_cpp_problems
 from model.config import HybridConfig
 from model.elastic import Architecture

@@ -31,7 +31,7 @@ def test_dense_checkpoint_in_either_layout(model, tmp_path, prefix, experts, lay
     assert sorted(info.tensors) == sorted(stored)
     assert all(info.tensors[k].shape == v.shape and info.tensors[k].dtype == v.dtype for k, v in stored.items())
     assert all(t.is_meta for t in info.tensors.values())  # headers only
-    assert info.check_dense() == model.num_parameters()
+    assert HybridLM.check_checkpoint(info) == model.num_parameters()
     assert info.manifest is not None and WEIGHTS_NAME in info.manifest["files"]
     assert (info.config.hidden_size, info.config.pattern) == (model.config.hidden_size, model.config.pattern)
 
@@ -62,7 +62,7 @@ def test_altered_files_and_wrong_tensors_are_named(model, tmp_path):
     save_file(state, str(folder / WEIGHTS_NAME))
     info = inspect_checkpoint(folder, verify=False)
     with pytest.raises(CheckpointError, match="missing tensors.*norm_f"):
-        info.check_dense()
+        HybridLM.check_checkpoint(info)
     (folder / WEIGHTS_NAME).write_bytes(b"\x10\x00\x00\x00")
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         inspect_checkpoint(folder, verify=False)

@@ -1,46 +1,89 @@
 """One command line: everything a user runs goes through ``star-elastic``.
 
-Each former ``python -m`` entry point (``pipelines.kfp_pipeline``, ``pipelines.kfp_components``,
-``components.kuberay``) is gone, and what it did works through a ``star-elastic`` subcommand with
-the same options. The tiny two-stage list of ``test_kfp_compile`` (loaded by path) stands in for the
-project's stages where a stage is run.
+The distribution installs that one command, its subcommands do the work (compile the Kubeflow pipeline,
+run one stage as a step, print the RBAC, render the manifests, plan), and no module of the package does
+anything when run as a script. The tiny two-stage list of ``test_kfp_compile`` (loaded by path) stands in
+for the project's stages where a stage is run.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import inspect
 import json
+import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipelines.cli import build_parser, main
+from pipelines.cli import main
 from tests.helpers import write_tiny_pipeline_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_STAGES = str(REPO / "tests" / "unit" / "test_kfp_compile.py")
 
 
-def test_the_console_script_is_the_only_entry_point() -> None:
+def _subcommands(entry, argv: list[str], capsys) -> set[str]:
+    """The subcommands ``entry`` offers after ``argv``, read from its ``--help`` as a user reads them."""
+    with pytest.raises(SystemExit) as done:
+        entry([*argv, "--help"])
+    assert done.value.code == 0
+    usage = capsys.readouterr().out
+    return set(re.search(r"\{([^}]+)\}", usage).group(1).split(","))
+
+
+def test_the_console_script_is_the_one_command_and_offers_every_subcommand(capsys) -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"star-elastic": "pipelines.cli:main"}
-    assert importlib.util.find_spec("components.kuberay") is None  # manifests are not a pipeline stage
-    for name in ("pipelines.kfp_pipeline", "pipelines.kfp_components", "pipelines.kuberay.render"):
-        module = importlib.import_module(name)
-        assert not hasattr(module, "main") and "__main__" not in inspect.getsource(module), name
-    commands = build_parser()._subparsers._group_actions[0].choices  # argparse keeps the subcommands there
-    kfp = commands["kfp"]._subparsers._group_actions[0].choices
-    kuberay = commands["kuberay"]._subparsers._group_actions[0].choices
-    assert sorted(kfp) == ["compile", "rbac", "run-stage"]
-    assert sorted(kuberay) == ["rayservice", "render"]
+    assert list(scripts) == ["star-elastic"]
+    module, _, attr = scripts["star-elastic"].partition(":")
+    entry = getattr(importlib.import_module(module), attr)
+    assert entry is main
+    assert {"run", "rank", "parent", "serve", "extract", "plan", "kfp", "kuberay"} <= _subcommands(entry, [], capsys)
+    assert _subcommands(entry, ["kfp"], capsys) == {"compile", "rbac", "run-stage"}
+    assert _subcommands(entry, ["kuberay"], capsys) == {"rayservice", "render"}
 
 
-def test_kfp_compile_takes_every_option_of_the_former_module(tmp_path: Path) -> None:
-    """Was ``python -m pipelines.kfp_pipeline CONFIG --out P --cluster real --registry R --namespace N``."""
+# Runs every module of pipelines/ and components/ as ``python -m`` would (``__name__ == "__main__"``, asked
+# for --help) in a fresh interpreter, and prints the ones that answered: exited or wrote to stdout.
+_RUN_AS_SCRIPTS = """
+import contextlib, io, json, runpy, sys, warnings
+answered = {}
+for name in sys.argv[1:]:
+    out = io.StringIO()
+    sys.argv = [name, "--help"]
+    try:
+        with contextlib.redirect_stdout(out), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runpy.run_module(name, run_name="__main__")
+    except SystemExit as exit_:
+        answered[name] = f"exit {exit_.code}"
+    if out.getvalue():
+        answered[name] = answered.get(name, "") + " printed " + out.getvalue()[:60]
+sys.__stdout__.write(json.dumps(answered))
+"""
+
+
+def test_no_module_but_the_cli_does_anything_as_a_script() -> None:
+    modules = [
+        ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for folder in ("pipelines", "components")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if path.name != "__init__.py"
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _RUN_AS_SCRIPTS, *modules], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    answered = json.loads(done.stdout)
+    assert answered.pop("pipelines.cli").startswith("exit 0 printed usage: star-elastic")  # `python -m` of the CLI
+    assert answered == {}, "modules that act as a second entry point (use a star-elastic subcommand)"
+
+
+def test_kfp_compile_writes_the_pipeline_for_the_cluster_asked_for(tmp_path: Path) -> None:
+    """``--cluster real --registry R --namespace N``: every step runs the real cluster's CUDA image from ``R``,
+    in namespace ``N``, with autoscaling."""
     out = tmp_path / "real-pipeline.yaml"
     config = REPO / "pipelines" / "configs" / "demo.yaml"
     args = ["kfp", "compile", str(config), "--out", str(out), "--cluster", "real"]
@@ -53,8 +96,9 @@ def test_kfp_compile_takes_every_option_of_the_former_module(tmp_path: Path) -> 
     assert images == {cluster["image"]}
 
 
-def test_kfp_run_stage_runs_a_stage_as_the_former_module_did(tmp_path: Path, capsys) -> None:
-    """Was ``python -m pipelines.kfp_components STAGE --config ... --storage-uri ... --upstream ...``."""
+def test_kfp_run_stage_runs_one_stage_from_its_upstream_uris(tmp_path: Path, capsys) -> None:
+    """What a step runs: one stage alone, its inputs from ``--upstream`` URIs, its folder published under
+    ``--storage-uri``, its URI printed; an upstream with no finished output is exit status 2."""
     store = tmp_path / "store"
     config = write_tiny_pipeline_config(tmp_path)
     common = ["--stages-module", TINY_STAGES, "--no-tracking", "--storage-uri", str(store)]
@@ -107,7 +151,7 @@ def test_kfp_rbac_prints_the_role_and_binding(capsys) -> None:
 
 @pytest.mark.parametrize("args", [["--check", "infra/k8s"], ["--check"]])
 def test_kuberay_render_checks_the_committed_manifests(args: list[str], monkeypatch) -> None:
-    """Was ``python -m components.kuberay [OUT_DIR] --check``; writing is covered in ``test_manifests``."""
+    """``--check`` compares a fresh rendering with the committed files; writing is covered in ``test_manifests``."""
     monkeypatch.chdir(REPO)
     assert main(["kuberay", "render", *args]) == 0
 

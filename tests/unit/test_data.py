@@ -34,9 +34,9 @@ from components.data import (
     render_rows,
     write_jsonl,
 )
-from components.data.gym import GymReader, gym_available, reasoning_gym_problems
+from components.data.gym import GymReader, reasoning_gym_problems
 from components.data.jsonl import iter_jsonl
-from components.data.sources import BoundedCache, GeneratorReader, ReasoningGymSource
+from components.data.sources import BoundedCache, GeneratorReader, ReasoningGymSource, gym_available
 
 # ---------------------------------------------------------------------------------------------
 # An independent checker (does not reuse the generator's arithmetic).

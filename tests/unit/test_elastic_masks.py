@@ -127,7 +127,7 @@ def test_single_axis(variant, axis, choice):
 
 
 def test_full_architecture_is_the_parent():
-    arch = SPACE.full_arch(parent().config)
+    arch = Architecture.largest_in(SPACE, parent().config)
     assert hard_mask(parent().config, arch).hidden is None
     small = assert_masked_equals_extracted(parent(), arch, changes=False)
     assert torch.equal(small(ids()).logits, parent()(ids()).logits)

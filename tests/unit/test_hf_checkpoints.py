@@ -21,7 +21,6 @@ from model.checkpoint import (
     INDEX_NAME,
     CheckpointError,
     iter_tensors,
-    load_model,
     read_config,
     read_tensors,
     to_canonical,
@@ -29,6 +28,7 @@ from model.checkpoint import (
     write_manifest,
 )
 from model.config import HybridConfig, decode_special_floats
+from model.hybrid import HybridLM
 from tests.conftest import TINY
 from tests.helpers import perturbed_hf_model
 
@@ -100,7 +100,7 @@ def test_save_pretrained_output_loads_with_equal_logits(tmp_path, dtype, max_sha
         assert len(shards) >= 2 and not (tmp_path / "model.safetensors").exists()
         assert weight_files(tmp_path) == sorted(tmp_path / s for s in shards)
 
-    ours = load_model(tmp_path)
+    ours = HybridLM.from_pretrained(tmp_path)
     assert ours.config.pattern == PATTERN and ours.config.time_step_limit == (0.0, math.inf)
     assert {p.dtype for p in ours.parameters()} == {dtype}  # dtype=None keeps the stored dtype
     for block in ours.model.layers:
@@ -109,7 +109,7 @@ def test_save_pretrained_output_loads_with_equal_logits(tmp_path, dtype, max_sha
     ids = _ids()
     assert _max_diff(ours, hf, ids) <= TOLERANCE[dtype]
     if dtype == torch.bfloat16:  # the same bf16 values computed in float32 on both sides: no rounding slack
-        assert _max_diff(load_model(tmp_path, dtype=torch.float32), hf.float(), ids) <= 1e-4
+        assert _max_diff(HybridLM.from_pretrained(tmp_path, dtype=torch.float32), hf.float(), ids) <= 1e-4
 
 
 def test_sharded_checkpoint_with_missing_shard_names_it(tmp_path):
@@ -117,7 +117,7 @@ def test_sharded_checkpoint_with_missing_shard_names_it(tmp_path):
     victim = sorted(tmp_path.glob("model-*.safetensors"))[-1]
     victim.unlink()
     with pytest.raises(CheckpointError, match=victim.name):
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------- layer-pattern spellings
@@ -138,7 +138,7 @@ def test_layer_pattern_spellings_load(tmp_path, layout):
     hf.save_pretrained(tmp_path)
     _edit_config(tmp_path, **layout)
     assert NemotronHConfig.from_pretrained(tmp_path).layers_block_type == BLOCKS  # transformers reads it too
-    ours = load_model(tmp_path)
+    ours = HybridLM.from_pretrained(tmp_path)
     assert ours.config.pattern == PATTERN
     assert [b.kind for b in ours.model.layers] == ["mamba", "attention", "mamba", "moe", "mlp", "moe"]
     assert _max_diff(ours, hf, _ids()) <= 1e-4
@@ -148,7 +148,7 @@ def test_disagreeing_layer_spellings_are_named(tmp_path):
     _hf_model().save_pretrained(tmp_path)
     _edit_config(tmp_path, hybrid_override_pattern="MMME-E")
     with pytest.raises(ValueError, match="hybrid_override_pattern"):
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------- tied embeddings
@@ -163,7 +163,7 @@ def test_tied_embeddings_load(tmp_path, max_shard_size):
     _edit_config(tmp_path / "hf", tie_word_embeddings=True)
     assert "lm_head.weight" not in read_tensors(tmp_path / "hf")
 
-    ours = load_model(tmp_path / "hf")
+    ours = HybridLM.from_pretrained(tmp_path / "hf")
     assert _max_diff(ours, hf, _ids()) <= 1e-4
     # lm_head is its own parameter (training may move it), starting equal to the embedding
     assert ours.lm_head.weight.data_ptr() != ours.model.embeddings.weight.data_ptr()
@@ -172,14 +172,14 @@ def test_tied_embeddings_load(tmp_path, max_shard_size):
     out = ours.save_pretrained(tmp_path / "ours")
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     assert "lm_head.weight" in read_tensors(out)
-    assert _max_diff(load_model(out), hf, _ids()) <= 1e-4
+    assert _max_diff(HybridLM.from_pretrained(out), hf, _ids()) <= 1e-4
 
 
 def test_missing_lm_head_without_tying_is_named(tmp_path):
     _hf_model().save_pretrained(tmp_path)
     _drop_tensor(tmp_path, "lm_head.weight")
     with pytest.raises(CheckpointError, match="tie_word_embeddings"):
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
 
 
 # ---------------------------------------------------------------------- infinities in config.json
@@ -193,7 +193,7 @@ def test_every_spelling_of_infinity_loads(tmp_path, literal):
     assert literal in (tmp_path / "config.json").read_text()
 
     assert HybridConfig.from_json_file(tmp_path / "config.json").time_step_limit == (0.0, math.inf)
-    ours = load_model(tmp_path)
+    ours = HybridLM.from_pretrained(tmp_path)
     assert ours.config.time_step_limit == (0.0, math.inf)
     assert _max_diff(ours, hf, _ids()) <= 1e-4
 
@@ -252,10 +252,10 @@ def test_publisher_style_config_loads(tmp_path):
     )
     config, raw = read_config(tmp_path)
     assert config.head_dim == 8 and config.n_groups == 2 and raw["rope_theta"] == 10000
-    assert _max_diff(load_model(tmp_path), hf, _ids()) <= 1e-4
+    assert _max_diff(HybridLM.from_pretrained(tmp_path), hf, _ids()) <= 1e-4
     _edit_config(tmp_path, hiden_size=32)  # a typo is still an error naming the key
     with pytest.raises(ValueError, match="hiden_size"):
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
 
 
 def test_multi_token_prediction_tensors_are_skipped(tmp_path):
@@ -264,20 +264,20 @@ def test_multi_token_prediction_tensors_are_skipped(tmp_path):
     tensors = load_file(str(tmp_path / "model.safetensors"))
     tensors["mtp.layers.0.norm.weight"] = torch.ones(HF_TINY["hidden_size"])
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    assert _max_diff(load_model(tmp_path), hf, _ids()) <= 1e-4
+    assert _max_diff(HybridLM.from_pretrained(tmp_path), hf, _ids()) <= 1e-4
 
 
 # ---------------------------------------------------------------------- manifest and streaming
 def test_manifest_is_checked_when_present(tmp_path):
     _hf_model().save_pretrained(tmp_path, max_shard_size="20KB")
     write_manifest(tmp_path)
-    load_model(tmp_path)  # intact: loads
+    HybridLM.from_pretrained(tmp_path)  # intact: loads
     shard = sorted(tmp_path.glob("model-*.safetensors"))[0]
     blob = bytearray(shard.read_bytes())
     blob[-3] ^= 0xFF
     shard.write_bytes(bytes(blob))
     with pytest.raises(CheckpointError, match="SHA-256"):
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
 
 
 def test_iter_tensors_streams_every_tensor_once(tmp_path):
@@ -317,12 +317,10 @@ def test_reopening_files_changes_nothing(tmp_path, monkeypatch):
     assert list(read_tensors(tmp_path)) == list(whole)
     assert len(openings) == len(whole) + 1  # one to list the keys, then one per tensor
     assert all(torch.equal(t, whole[k]) for k, t in read_tensors(tmp_path).items())
-    assert _max_diff(load_model(tmp_path), hf, _ids()) <= 1e-4
+    assert _max_diff(HybridLM.from_pretrained(tmp_path), hf, _ids()) <= 1e-4
 
 
 def test_iter_tensors_converts_floating_tensors_only(tmp_path):
-    from model.hybrid import HybridLM
-
     cfg = HybridConfig(pattern=PATTERN, vocab_size=64, hidden_size=32, n_routed_experts=4, num_experts_per_tok=2)
     HybridLM(cfg).init_weights(0).save_pretrained(tmp_path)
     stored = read_tensors(tmp_path)
@@ -341,7 +339,7 @@ def test_per_expert_tensors_that_do_not_fit_are_named(tmp_path):
     tensors["backbone.layers.5.mixer.experts.9.down_proj.weight"] = torch.zeros(32, 16)
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError) as err:
-        load_model(tmp_path)
+        HybridLM.from_pretrained(tmp_path)
     msg = str(err.value)
     assert "model.layers.5.mixer.experts.9.down_proj.weight" in msg
     assert "model.layers.3.mixer.experts.up_proj: no tensor for experts [2]" in msg
@@ -362,7 +360,7 @@ def test_duplicate_tensor_across_shards_is_named(tmp_path):
 def test_budget_registry_and_quantizer_read_transformers_output(tmp_path):
     from model.decode.budget_view import BudgetRegistry
     from model.quant import load_quantized_model
-    from model.quant.checkpoint import quantize_checkpoint
+    from model.quant.quantize import quantize_checkpoint
 
     hf = _hf_model().to(torch.bfloat16)
     hf.save_pretrained(tmp_path / "hf", max_shard_size="10KB")

@@ -110,15 +110,38 @@ def test_dag_has_the_eight_stages_in_dependency_order(compiled) -> None:
     assert stage_of[output["producerSubtask"]] == "register"
 
 
-def test_dag_follows_the_stage_list() -> None:
-    from pipelines.kfp_pipeline import pipeline_dag
-    from pipelines.stages import pipeline_stages as project_stages
+def test_steps_wait_for_their_dependencies_in_the_runners_order(tmp_path) -> None:
+    """A stage list out of dependency order (a diamond, listed backwards) compiles to steps that each wait for
+    exactly their stage's dependencies, the runner's order is an order Kubeflow may run them in, and the
+    pipeline's result is the stage the runner runs last."""
+    from kfp import compiler
 
-    specs = project_stages()
-    dag = pipeline_dag(specs)
-    assert sorted(dag) == sorted(s.name for s in specs)
-    for spec in specs:
-        assert dag[spec.name] == spec.depends
+    from pipelines.config import load_pipeline_config
+    from pipelines.kfp_pipeline import build_pipeline, pipeline_dag
+    from pipelines.kuberay.render import demo_cluster_config
+    from pipelines.runner import PipelineRunner
+
+    def noop(*_: Any) -> Any:
+        return None
+
+    depends = {"join": ["left", "right"], "right": ["root"], "left": ["root"], "root": []}
+    specs = [StageSpec(name, deps, noop, noop) for name, deps in depends.items()]
+    runner_order = [s.name for s in PipelineRunner(specs, None, tmp_path).stages]
+    config = load_pipeline_config(write_tiny_pipeline_config(tmp_path))
+    compiler.Compiler().compile(
+        build_pipeline(pipeline_dag(specs), config, demo_cluster_config()), str(tmp_path / "p.yaml")
+    )
+    dag = yaml.safe_load((tmp_path / "p.yaml").read_text())["root"]["dag"]
+
+    stage_of = {key: task["taskInfo"]["name"] for key, task in dag["tasks"].items()}
+    waits = {
+        stage_of[key]: sorted(stage_of[d] for d in task.get("dependentTasks", [])) for key, task in dag["tasks"].items()
+    }
+    assert waits == {name: sorted(deps) for name, deps in depends.items()}
+    for stage, upstream in waits.items():
+        assert all(runner_order.index(d) < runner_order.index(stage) for d in upstream), (stage, runner_order)
+    assert list(pipeline_dag(specs)) == runner_order
+    assert stage_of[dag["outputs"]["parameters"]["Output"]["valueFromParameter"]["producerSubtask"]] == runner_order[-1]
 
 
 # ---------------------------------------------------------------------- parameters from the config class

@@ -12,7 +12,6 @@ import torch
 from safetensors import safe_open
 
 from components.serving.loading import check_checkpoint
-from model.checkpoint import load_model
 from model.config import HybridConfig
 from model.elastic import ElasticSpace
 from model.elastic.budgets import BudgetSet
@@ -61,7 +60,7 @@ def nested(parent: HybridLM, space: dict, out: Path) -> Path:
     ],
 )
 def test_extracted_budget_has_the_layout_transformers_writes(tmp_path, source, space, max_shard_size):
-    parent = load_model(DEMO) if source == "demo" else HybridLM(HybridConfig(**TINY)).init_weights(2)
+    parent = HybridLM.from_pretrained(DEMO) if source == "demo" else HybridLM(HybridConfig(**TINY)).init_weights(2)
     ckpt = nested(parent, space, tmp_path / "nested")
     for budget in ("full", "small"):
         ours = extract_budget(ckpt, budget, tmp_path / budget, max_shard_size=max_shard_size)
@@ -72,7 +71,7 @@ def test_extracted_budget_has_the_layout_transformers_writes(tmp_path, source, s
         if index.exists():  # sharded: the same index, total size and parameter count included
             assert json.loads(index.read_text()) == json.loads((theirs / index.name).read_text())
         assert any(".mixer.experts.0.up_proj.weight" in k for k in layout(ours))
-        sub = load_model(ours)  # read back: stacked as it is read
+        sub = HybridLM.from_pretrained(ours)  # read back: stacked as it is read
         moe = [b.mixer for b in sub.model.layers if b.kind == "moe"]
         assert moe and all(m.experts.up_proj.dim() == 3 for m in moe)
 
@@ -85,12 +84,12 @@ def test_nested_checkpoint_in_the_new_layout_serves_extracts_and_quantizes(tmp_p
     assert all(k.startswith(("backbone.", "lm_head")) for k in keys)
     assert "backbone.layers.3.mixer.experts.3.down_proj.weight" in keys
     assert not [k for k in keys if k.endswith(("experts.up_proj", "experts.down_proj"))]  # no stacked tensor
-    back = load_model(ckpt)
+    back = HybridLM.from_pretrained(ckpt)
     for name, t in parent.state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
     with pytest.raises(Exception, match="tokenizer"):  # the serving check reads the weights first, then the tokenizer
         check_checkpoint(ckpt)
-    small = load_model(extract_budget(ckpt, "small", tmp_path / "small"))
+    small = HybridLM.from_pretrained(extract_budget(ckpt, "small", tmp_path / "small"))
     assert small.config.hidden_size <= 32
     q = quantize_checkpoint(ckpt, tmp_path / "fp8", "fp8")
     assert load_quantized_model(q) is not None

@@ -23,7 +23,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.checkpoint import load_model
 from model.config import HybridConfig
 from model.elastic import ElasticSpace
 from model.elastic.budgets import BudgetSet
@@ -109,7 +108,7 @@ def test_configs_and_tensors_match_the_loaders(nested, tmp_path, fmt, preset):
     assert json.loads((small / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == ALGO[fmt]
     ids = torch.randint(0, CFG["vocab_size"], (1, 12))
     with torch.no_grad():
-        dense, got = load_model(nested)(ids).logits, model(ids).logits
+        dense, got = HybridLM.from_pretrained(nested)(ids).logits, model(ids).logits
     assert torch.isfinite(got).all() and (got - dense).norm() / dense.norm() < 0.5
 
 
@@ -119,7 +118,7 @@ def test_w4a4_activation_scales_cover_every_budget(nested, tmp_path):
     from model.quant.checkpoint import calibrate_input_amax, synthetic_calibration_batches
 
     out = quantize_checkpoint(nested, tmp_path / "w4a4", "nvfp4_w4a4", calibrate_budgets=True)
-    model, info = load_model(nested), read_elastic(nested)
+    model, info = HybridLM.from_pretrained(nested), read_elastic(nested)
     batches = synthetic_calibration_batches(CFG["vocab_size"])
     t = load_quantized_model(out)
     for budget in info.budgets:

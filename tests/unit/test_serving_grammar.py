@@ -274,7 +274,7 @@ def _decode(model, rows) -> None:
 
 def _rows(g: Grammars, demo: TextTokenizer, loop) -> list:
     from components.serving.batch import Row
-    from components.serving.engine import Job
+    from components.serving.job import Job
     from model.generate import RowStart, SamplingParams
 
     schema = GrammarSpec.json_schema(PERSON, "response_format")

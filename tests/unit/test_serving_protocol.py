@@ -14,6 +14,7 @@ from components.serving.config import DEPLOYMENT_NAME, ServingConfig, load_confi
 from components.serving.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs, token_logprobs
 from components.serving.metrics import ServingMetrics
 from components.serving.prompts import PromptError, check_length, check_messages
+from components.serving.request_models import ChatCompletionRequest, ChatMessage, CompletionRequest, parse_request
 from components.serving.state import Admission
 
 
@@ -28,11 +29,11 @@ def completion(**kw) -> bytes:
 
 # ---------------------------------------------------------------------- requests
 def test_valid_chat_request_and_defaults():
-    req = P.parse_request(P.ChatCompletionRequest, chat(max_completion_tokens=7, stop="x", seed=-3))
+    req = parse_request(ChatCompletionRequest, chat(max_completion_tokens=7, stop="x", seed=-3))
     assert (req.max_tokens, req.stops, req.seed, req.temperature, req.top_p) == (7, ("x",), -3, 1.0, 1.0)
     assert req.think_model is None and req.reasoning_budget is None and not req.stream and not req.include_usage
     assert req.n == 1 and req.logprobs_k is None
-    req = P.parse_request(P.ChatCompletionRequest, chat(stream=True, stream_options={"include_usage": True}))
+    req = parse_request(ChatCompletionRequest, chat(stream=True, stream_options={"include_usage": True}))
     assert req.stream and req.include_usage
 
 
@@ -95,7 +96,7 @@ def test_valid_chat_request_and_defaults():
 )
 def test_malformed_chat_requests_name_the_problem(body, param, fragment):
     with pytest.raises(P.OpenAIError) as info:
-        P.parse_request(P.ChatCompletionRequest, body)
+        parse_request(ChatCompletionRequest, body)
     err = info.value
     assert err.status == 400 and err.type == "invalid_request_error"
     assert err.param == param or (param is None and err.param is None) or (param and err.param.startswith(param))
@@ -136,18 +137,18 @@ def test_malformed_chat_requests_name_the_problem(body, param, fragment):
     ],
 )
 def test_neutral_values_of_unsupported_fields_are_accepted(extra):
-    req = P.parse_request(P.ChatCompletionRequest, chat(**extra))
+    req = parse_request(ChatCompletionRequest, chat(**extra))
     assert req.model == "full"
 
 
 def test_chat_logprobs_fields():
-    assert P.parse_request(P.ChatCompletionRequest, chat(logprobs=True)).logprobs_k == 0
-    assert P.parse_request(P.ChatCompletionRequest, chat(logprobs=True, top_logprobs=4)).logprobs_k == 4
-    assert P.parse_request(P.ChatCompletionRequest, chat(logprobs=False)).logprobs_k is None
+    assert parse_request(ChatCompletionRequest, chat(logprobs=True)).logprobs_k == 0
+    assert parse_request(ChatCompletionRequest, chat(logprobs=True, top_logprobs=4)).logprobs_k == 4
+    assert parse_request(ChatCompletionRequest, chat(logprobs=False)).logprobs_k is None
 
 
 def test_completion_request_prompt_forms_and_logprobs():
-    parse = lambda **kw: P.parse_request(P.CompletionRequest, completion(**kw))
+    parse = lambda **kw: parse_request(CompletionRequest, completion(**kw))
     assert parse(prompt="abc").prompts == ["abc"]
     assert parse(prompt=["a", "bc"]).prompts == ["a", "bc"]
     assert parse(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
@@ -176,14 +177,14 @@ def test_completion_request_prompt_forms_and_logprobs():
 )
 def test_malformed_completion_requests_name_the_problem(extra, param, fragment):
     with pytest.raises(P.OpenAIError) as info:
-        P.parse_request(P.CompletionRequest, completion(**extra))
+        parse_request(CompletionRequest, completion(**extra))
     assert (info.value.status, info.value.param) == (400, param)
     assert fragment in info.value.message
 
 
 # ---------------------------------------------------------------------- chat messages
-def _messages(*pairs: tuple[str, object], **fields) -> list[P.ChatMessage]:
-    return [P.ChatMessage.model_validate({"role": r, "content": c, **fields}) for r, c in pairs]
+def _messages(*pairs: tuple[str, object], **fields) -> list[ChatMessage]:
+    return [ChatMessage.model_validate({"role": r, "content": c, **fields}) for r, c in pairs]
 
 
 def _forbidden(text: str) -> list[str]:  # stands in for PromptRules.forbidden: two control strings

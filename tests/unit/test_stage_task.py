@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from components.stage_task import TaskResources, _node_fits, progress_bar
+from components.stage_task import TaskResources, _node_fits
 from model.checkpoint import CheckpointError, save_model
 from model.config import HybridConfig
 from model.hybrid import HybridLM
@@ -63,18 +63,6 @@ def test_evaluation_device_follows_the_task():
     assert task_device("cuda:1", gpu, *fields) == "cuda:1"
     with pytest.raises(ValueError, match=r"evaluate.device: 'cuda' but the task reserves no GPU; set evaluate.reso"):
         task_device("cuda", cpu, *fields)
-
-
-def test_progress_bar_outside_a_task_is_tqdm():
-    from tqdm import tqdm
-
-    bar = progress_bar(3, "x", disable=False)
-    assert isinstance(bar, tqdm)
-    bar.close()
-    quiet = progress_bar(3, "x", disable=True)
-    quiet.update(1)
-    quiet.set_postfix(a=1)
-    quiet.close()
 
 
 def test_real_config_evaluates_on_a_gpu_in_bf16(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.register import parse_models_uri, registry_tracking_uri
+from components.model_uri import parse_models_uri, registry_tracking_uri
 
 
 def test_models_uri_forms():
