@@ -3,7 +3,9 @@
 Design choices:
 
 * Each message is named by its logger or warning category and the start of its text, never a whole
-  library or every warning: a new warning from the same library still shows.
+  library or every warning: a new warning from the same library still shows. A named warning is
+  filtered twice: by a warnings filter, and by ``warnings.showwarning`` for a library that shows its
+  warnings under a filter of its own (MLflow does).
 * :func:`quiet_libraries` installs the filters in the process that calls it (idempotent). The pipeline
   calls it on the driver, and every Ray worker of the pipeline's job runs it at start-up as Ray's
   ``worker_process_setup_hook`` (:func:`worker_runtime_env`), so tasks, Ray Train's workers and its
@@ -27,17 +29,19 @@ Silenced:
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from components.progress import PROGRESS_ENV, is_terminal
 
 WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
-    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", r"torch\.distributed\."),
-    (UserWarning, r"(\x1b\[[0-9;]*m)?Any type hint is inferred as AnyType", r"mlflow\."),  # MLflow colours it
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", "torch.distributed"),
+    (UserWarning, r"(\x1b\[[0-9;]*m)?Any type hint is inferred as AnyType", "mlflow"),  # MLflow colours it
 )
-"""(category, start of the message (a regex), module of the caller (a regex, empty: any)) of each warning."""
+"""(category, start of the message (a regex), the package it is attributed to) of each warning."""
 
 LOG_MESSAGES: dict[str, tuple[str, ...]] = {
     "DeepSpeed": ("Setting accelerator to CPU",),
@@ -65,11 +69,34 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(self.starts)
 
 
+def _named(message: str, category: type[Warning], filename: str) -> bool:
+    """Whether a warning about to be shown is one of :data:`WARNINGS` (its package found by its file)."""
+    path = filename.replace("\\", "/")
+    return any(
+        issubclass(category, cat) and re.match(text, message, re.I) and f"/{package.replace('.', '/')}/" in path
+        for cat, text, package in WARNINGS
+    )
+
+
+def _hiding_named(show: Callable[..., None]) -> Callable[..., None]:
+    """``warnings.showwarning`` that skips :data:`WARNINGS`: MLflow shows its own warnings under a filter of
+    its own (``simplefilter("once")`` inside the call), which outranks any filter set before the call."""
+
+    def showwarning(message: Any, category: type[Warning], filename: str, lineno: int, *args: Any) -> None:
+        if not _named(str(message), category, filename):
+            show(message, category, filename, lineno, *args)
+
+    showwarning.hides_named = True  # type: ignore[attr-defined]
+    return showwarning
+
+
 def quiet_libraries() -> None:
     """Install this module's filters in this process (a second call changes nothing)."""
-    for category, message, module in WARNINGS:
+    for category, message, package in WARNINGS:
         # filterwarnings moves an identical filter to the front instead of adding it twice
-        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+        warnings.filterwarnings("ignore", message=message, category=category, module=re.escape(package) + r"\.")
+    if not getattr(warnings.showwarning, "hides_named", False):
+        warnings.showwarning = _hiding_named(warnings.showwarning)
     for name, starts in LOG_MESSAGES.items():
         logger = logging.getLogger(name)  # the same object the library gets, before or after it is imported
         if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):

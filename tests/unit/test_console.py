@@ -81,6 +81,26 @@ def test_the_named_warnings_are_silenced_and_an_unrelated_one_is_not(fresh_logge
     assert len(ours) == 1
 
 
+def test_a_warning_mlflow_shows_under_its_own_filter_is_hidden_too(fresh_loggers, monkeypatch):
+    from mlflow.utils.annotations import filter_user_warnings_once  # MLflow's "once" filter around its calls
+
+    def other() -> None:
+        warnings.warn("another UserWarning", UserWarning, stacklevel=1)
+
+    shown: list[str] = []
+    with warnings.catch_warnings():
+        monkeypatch.setattr(warnings, "showwarning", lambda message, *args: shown.append(str(message)))
+        warnings.onceregistry.clear()  # "once": shown once per process, and an earlier test may have shown it
+        filter_user_warnings_once(mlflow_any_hint)()
+        assert len(shown) == 1 and "Any type hint is inferred as AnyType" in shown[0]  # the trigger is real
+        warnings.onceregistry.clear()
+        quiet_libraries()
+        quiet_libraries()
+        filter_user_warnings_once(mlflow_any_hint)()
+        filter_user_warnings_once(other)()
+    assert shown[1:] == ["another UserWarning"]
+
+
 @pytest.mark.parametrize(
     ("logger", "noise"),
     [
