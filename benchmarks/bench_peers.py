@@ -55,6 +55,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_budget_decode import bandwidth  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Case,
     format_table,
@@ -268,6 +269,7 @@ def run(args: argparse.Namespace, build: LlamaCppBuild, work: Path) -> dict[str,
     if args.wait_quiet:
         wait_quiet(args.max_load, args.wait_quiet)
     load_start, busy = load_average(), other_cpu_load()
+    bw_start = bandwidth(args.threads)  # the machine's read bandwidth, in this run (a GEMV over 512 MB, and sum)
     print(f"[4/5] timing, {args.rounds} rounds per case; load average {load_start[0]:.2f}, other processes "
           f"{100 * (busy or 0):.0f}% of the CPUs ({time.perf_counter() - t0:.0f}s)", flush=True)  # fmt: skip
     lib = load_bindings(build)
@@ -286,8 +288,10 @@ def run(args: argparse.Namespace, build: LlamaCppBuild, work: Path) -> dict[str,
               f"{result['llama_cpp_tok_s']:.1f} tok/s, ours {result['ours_tok_s']:.1f} tok/s", flush=True)  # fmt: skip
         del model
     load_end = load_average()
+    bw_end = bandwidth(args.threads)
     print(f"[5/5] done ({time.perf_counter() - t0:.0f}s); load average {load_end[0]:.2f} at the end", flush=True)
     return {"rows": rows, "prompt": prompt, "load_start": load_start, "load_end": load_end,
+            "bandwidth_start": bw_start, "bandwidth_end": bw_end,
             "other_cpu_load": busy, "llama_cpp_commit": build.commit(), "config": fields, "budgets": budgets,
             "simple_output": simple}  # fmt: skip
 
@@ -344,7 +348,10 @@ def results_text(args: argparse.Namespace, out: dict[str, Any], command: str, in
         f"Machine: {info.get('cpu_model', info['processor'])}, {info['cpu_count']} cores, torch {info['torch']}; "
         f"llama.cpp {out['llama_cpp_commit']} from the llama-cpp-python {args.version} sdist (CPU backend, "
         f"`-DGGML_NATIVE=ON`), {args.threads} threads each. Load average (1 min) {out['load_start'][0]:.2f} at the "
-        f"start of the timing, {out['load_end'][0]:.2f} at the end.\n\n"
+        f"start of the timing, {out['load_end'][0]:.2f} at the end. Read bandwidth in the same run "
+        f"({args.threads} threads, 512 MB): GEMV {out['bandwidth_start']['read_gemv_gbs']:.1f} GB/s, sum "
+        f"{out['bandwidth_start']['read_sum_gbs']:.1f} GB/s before the timing; GEMV "
+        f"{out['bandwidth_end']['read_gemv_gbs']:.1f} GB/s after.\n\n"
         f"Family: `{cfg['pattern']}`, hidden {cfg['hidden_size']}, {cfg['n_routed_experts']} experts top-"
         f"{cfg['num_experts_per_tok']}, SmolLM2 tokenizer, random weights (std {args.init_std}); one nested "
         "checkpoint, every budget extracted in float32 and bfloat16 and from one NVFP4 (weight-only) export, each "
