@@ -138,7 +138,7 @@ def cache_dir(explicit: str | Path | None = None) -> Path:
 
 
 # ---------------------------------------------------------------------- the MLflow store
-_PROCESS_WIDE = threading.Lock()
+_PROCESS_WIDE = threading.RLock()  # re-entered by a register inside a scoped body
 
 
 class MlflowStore(BaseModel):

@@ -36,9 +36,8 @@ QUESTION = [{"role": "user", "content": "7+5*3-2"}]
 @pytest.fixture(scope="module")
 def registered(mlflow_server, tiny_nested_checkpoint, tmp_path_factory):
     """The tiny nested checkpoint and an FP8 copy registered as one family (versions 1 and 2), promoted."""
-    import mlflow
-
     from components.register import RegisterConfig, run_register
+    from components.settings import MlflowStore
     from components.tracking import MlflowTracker
     from model.elastic.export import read_elastic
     from model.quant.quantize import quantize_checkpoint
@@ -54,12 +53,10 @@ def registered(mlflow_server, tiny_nested_checkpoint, tmp_path_factory):
     )
     with MlflowTracker(mlflow_server, "pyfunc-test", run_name="register") as tracker:
         out = run_register(cfg, tracker)
-    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-    mlflow.set_tracking_uri(mlflow_server)
-    mlflow.set_registry_uri(mlflow_server)
-    yield {"out": out, "budgets": budgets, "fp8": Path(fp8), "run_id": tracker.run_id}
-    mlflow.set_tracking_uri(before[0])  # process-wide settings: later tests must not inherit this server
-    mlflow.set_registry_uri(before[1])
+    # mlflow.pyfunc.load_model("models:/...") looks the store up process-wide; the scope puts back exactly what
+    # was there (an unset URI stays unset), so later tests still see MLFLOW_TRACKING_URI.
+    with MlflowStore.of(mlflow_server).process_wide():
+        yield {"out": out, "budgets": budgets, "fp8": Path(fp8), "run_id": tracker.run_id}
 
 
 @pytest.fixture(scope="module")
