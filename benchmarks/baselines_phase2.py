@@ -21,7 +21,7 @@ import torch
 from benchmarks.baselines_common import difference, distill_configs, ensure_trained, nested_accuracy
 from benchmarks.common import format_table, load_average
 from components.data import TextTokenizer
-from components.distill.stage import run_export
+from components.distill.export import run_export
 from components.evaluate import problem_sets
 from model.elastic.export import read_elastic
 from model.elastic.params import count_params

@@ -1,7 +1,7 @@
 """Cost of one elastic distillation step against a plain KD step on the full student (CPU, one process).
 
 Same batch, frozen teacher and student weights for both; the elastic step is
-:func:`components.distill.worker.elastic_loss` (router sample, soft masks, KD + budget loss) without
+:func:`components.distill.step.elastic_loss` (router sample, soft masks, KD + budget loss) without
 Ray and DeepSpeed. The steps alternate and the ratio is the median of per-pair ratios.
 Target: elastic / plain <= 1.3. Method: docs/benchmarks.md; figures: benchmarks/RESULTS.md.
 
@@ -26,12 +26,11 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks.common import format_table, machine_info, set_threads
 from components.data import ProblemConfig, TextTokenizer, build_demo_tokenizer, make_batch
 from components.distill.draws import router_generator
-from components.distill.worker import ElasticStudent, elastic_loss
+from components.distill.step import ElasticSpec, ElasticStudent, elastic_loss
 from components.parent import DEMO_PARENT_ARCH
 from model.config import HybridConfig
 from model.elastic.budgets import BudgetSet
 from model.elastic.losses import kd_loss
-from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter
 from model.elastic.space import ElasticSpace
 from model.hybrid import HybridLM
@@ -60,7 +59,7 @@ def measure(space_name: str, batch_size: int, seq_len: int, warmup: int, repeats
     teacher = HybridLM(config).init_weights(seed).requires_grad_(False).eval()
     space = ElasticSpace(**SPACES[space_name])
     budgets = BudgetSet.of(BUDGETS)
-    full_active = count_params(config).active
+    spec = ElasticSpec.of(config, space, budgets)
     batch = make_batch(ProblemConfig(), tok, batch_size, seq_len, seed, 0, pack=True)
 
     plain = HybridLM(config)
@@ -84,8 +83,8 @@ def measure(space_name: str, batch_size: int, seq_len: int, warmup: int, repeats
 
     def elastic_step(step: int) -> None:
         loss, *_ = elastic_loss(
-            elastic, teacher, batch.input_ids, batch.loss_mask, budgets, step % len(budgets), step, 1000,
-            router_generator(seed, 1, step), 1.0, full_active, space,
+            elastic, teacher, spec, batch.input_ids, batch.loss_mask, step % len(budgets), (step, 1000),
+            router_generator(seed, 1, step),
         )  # fmt: skip
         elastic_opt.zero_grad(set_to_none=True)
         loss.backward()

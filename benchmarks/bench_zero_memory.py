@@ -137,8 +137,8 @@ def run_worker(args: argparse.Namespace) -> None:  # noqa: C901 - one measured s
     from components.distill import ckpt, heap
     from components.distill import worker as W
     from components.distill.config import DistillConfig
+    from components.distill.step import ElasticSpec
     from model.checkpoint import read_config
-    from model.elastic.params import count_params
 
     cfg = DistillConfig(**json.loads(Path(args.config).read_text()))
     applied = W.configure_host_memory(cfg)  # what the Ray Train worker does first
@@ -161,7 +161,7 @@ def run_worker(args: argparse.Namespace) -> None:  # noqa: C901 - one measured s
     after_build = rss_bytes()
     build_s = time.perf_counter() - t0
     tokenizer = TextTokenizer.load(parent)
-    counts = count_params(model_config)
+    spec = ElasticSpec.from_config(cfg, model_config)
     stream_seed = derive_seed("distill", cfg.seed, cfg.phase)
     steps: list[dict[str, float]] = []
     phases: dict[str, list[list[float]]] = {name: [] for name in PHASES}
@@ -201,10 +201,9 @@ def run_worker(args: argparse.Namespace) -> None:  # noqa: C901 - one measured s
             phase="distill1", step=step, rank=rank, world=world,
         )  # fmt: skip
         loss, kd, _, _ = W.elastic_loss(
-            engine, marked, batch.input_ids, batch.loss_mask, cfg.budget_set, b_idx, g_step, g_total,
-            W.router_generator(cfg.seed, cfg.phase, step, 0, rank), cfg.alpha, counts.active, cfg.space,
-            cfg.depth_order, cfg.dead_zone, counts.total,
-            W.draw_hard_sample(cfg.seed, cfg.phase, step, 0, cfg.router.hard_sample_prob), cfg.kd_chunk_tokens,
+            engine, marked, spec, batch.input_ids, batch.loss_mask, b_idx, (g_step, g_total),
+            W.router_generator(cfg.seed, cfg.phase, step, 0, rank),
+            W.draw_hard_sample(cfg.seed, cfg.phase, step, 0, cfg.router.hard_sample_prob),
         )  # fmt: skip
         mark("student forward + loss")
         engine.backward(loss)

@@ -1,12 +1,13 @@
 """The evaluate stage: accuracy and latency of every budget, standard and elastic budget control.
 
-Flow: materialize the checkpoint -> load its tokenizer (:class:`~components.data.tokenizer.TextTokenizer`,
-with the configured reasoning markers), the parent once and a weight-sharing view per budget
-(:class:`~model.decode.budget_view.BudgetRegistry`) -> build the evaluation sets (JSONL files, local or
-``s3://``, and/or the built-in held-out levels; :mod:`components.eval_sets`) and render every
-question with the tokenizer's chat template -> for every (think budget, answer budget) pair,
-thinking cap and table row run :func:`~model.phases.budget_control` in batches -> aggregate ->
-``results.json``, ``results.csv``, ``pareto.png`` -> log params, metrics and artifacts.
+Flow: :func:`prepare` (materialize the checkpoint -> load its tokenizer
+(:class:`~components.data.tokenizer.TextTokenizer`, with the configured reasoning markers), the parent once
+and a weight-sharing view per budget (:class:`~model.decode.budget_view.BudgetRegistry`) -> build the
+evaluation sets (JSONL files, local or ``s3://``, and/or the built-in held-out levels;
+:mod:`components.eval_sets`) and render every question with the tokenizer's chat template) ->
+:func:`run_rows` (for every (think budget, answer budget) pair, thinking cap and table row run
+:func:`~model.phases.budget_control` in batches, score, aggregate) -> :mod:`components.eval_report`
+(``results.json``, ``results.csv``, ``pareto.png``, the headline metrics) -> log params, metrics and artifacts.
 
 Design choices:
 
@@ -40,10 +41,8 @@ Design choices:
 
 from __future__ import annotations
 
-import csv
-import json
-import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from components.data.answers import AnswerFormat, AnswerReader
 from components.data.tokenizer import ReasoningMarkers, TextTokenizer
-from components.eval_plots import best_elastic_vs_standard, carry_comparison, pareto_plot
+from components.eval_report import build_results, cap_label, headline_metrics, write_results
 from components.eval_sets import EvalItem, EvalSetConfig, builtin_items, load_eval_set, thinking_prompt
 from components.progress import progress_bar
 from components.stage_task import TaskResources
@@ -61,26 +60,6 @@ from model.decode.budget_view import BudgetRegistry
 from model.generate import SamplingParams
 from model.phases import PhaseResult, PhaseTokens, budget_control
 
-RESULTS_JSON = "results.json"
-RESULTS_CSV = "results.csv"
-PLOT_FILE = "pareto.png"
-PROXY_PLOT_FILE = "pareto_weight_passes.png"
-CSV_COLUMNS = (
-    "think_budget",
-    "answer_budget",
-    "control",
-    "carry_state",
-    "think_cap",
-    "level",
-    "n",
-    "accuracy",
-    "mean_latency_s",
-    "mean_weight_passes",
-    "mean_think_tokens",
-    "mean_answer_tokens",
-    "mean_think_generated",
-    "mean_answer_fed",
-)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_LEVELS = [1, 2, 3, 4, 5, 6]
 
@@ -313,22 +292,6 @@ def _summarize(
 
 
 # ---------------------------------------------------------------------- the stage
-def _metric_name(*parts: Any) -> str:
-    return "/".join(re.sub(r"[^\w.\- ]", "_", str(p)) for p in parts)
-
-
-def _cap_label(cap: int | None) -> str:
-    return "none" if cap is None else str(cap)
-
-
-def _write_csv(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    with path.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow({**r, "think_cap": _cap_label(r["think_cap"])})
-
-
 def load_tokenizer(folder: Path, markers: ReasoningMarkers) -> TextTokenizer:
     """The checkpoint's tokenizer; a clear error naming ``checkpoint_uri`` when it cannot be loaded."""
     try:
@@ -340,137 +303,142 @@ def load_tokenizer(folder: Path, markers: ReasoningMarkers) -> TextTokenizer:
         ) from None
 
 
-def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutputs:
-    """Run the stage (module docstring); returns output paths, metrics and the comparison."""
+@dataclass(frozen=True)
+class EvalSetup:
+    """What every run of the stage reads (:func:`prepare`): budgets, problems, rendered prompts, decoding settings."""
+
+    registry: BudgetRegistry
+    """The parent once and a weight-sharing view per budget, largest first."""
+    pairs: list[tuple[str, str]]
+    """(think budget, answer budget): the standard pairs first, then the elastic ones."""
+    sets: dict[str, list[EvalItem]]
+    """Table label -> problems."""
+    prompts: dict[str, list[list[int]]]
+    """Table label -> each problem rendered with the chat template (token ids)."""
+    tokens: PhaseTokens
+    reader: AnswerReader
+    sampling: SamplingParams
+    resolved: dict[str, str]
+    """The device and dtype ``auto`` resolved to (logged beside the config)."""
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """One run of the table: a pair, a thinking cap (None: up to ``think_limit``), carried state or re-prefill."""
+
+    think: str
+    answer: str
+    cap: int | None
+    carry: bool
+
+
+def prepare(config: EvalConfig) -> EvalSetup:
+    """Materialize the checkpoint, load its tokenizer, build the problem sets (before the weights: a bad eval set
+    fails in seconds), load the budgets and resolve the pairs."""
     from components.storage import materialize
 
-    tracker = tracker or NullTracker()
-    if config.threads:
-        torch.set_num_threads(config.threads)
     folder = materialize(config.checkpoint_uri)
     tok = load_tokenizer(folder, config.markers)
-    sets = problem_sets(config)  # before the weights: a bad eval set fails in seconds
+    sets = problem_sets(config)
     device, dtype = config.resolved_device(), config.resolved_dtype()
     registry = BudgetRegistry.from_checkpoint(folder, dtype=dtype, device=device)
-    pairs = resolve_pairs(config, registry)
-    full_active = registry.active_params[registry.names[0]]
-    tokens = PhaseTokens.from_tokenizer(tok)
-    reader = AnswerReader.for_tokenizer(config.answer_format, tok)
-    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-    resolved = {"device": device, "dtype": str(dtype).removeprefix("torch.")}
-    tracker.log_params({"evaluate": {**config.model_dump(mode="json"), **resolved}, "budgets": registry.active_params})
-
     prompts = {
         label: [thinking_prompt(tok, it.messages, config.open_think) for it in items] for label, items in sets.items()
     }
-    first = next(iter(prompts.values()))[:1]
-    for name in registry.names:  # untimed warm-up of every budget
-        budget_control(registry, name, name, tokens, first, 2, 2, sampling, think_limit=config.think_limit)
+    return EvalSetup(
+        registry=registry,
+        pairs=resolve_pairs(config, registry),
+        sets=sets,
+        prompts=prompts,
+        tokens=PhaseTokens.from_tokenizer(tok),
+        reader=AnswerReader.for_tokenizer(config.answer_format, tok),
+        sampling=SamplingParams(temperature=config.temperature, top_p=config.top_p, seed=config.seed),
+        resolved={"device": device, "dtype": str(dtype).removeprefix("torch.")},
+    )
 
-    jobs: list[tuple[str, str, int | None, bool]] = []
+
+def eval_runs(config: EvalConfig, pairs: Sequence[tuple[str, str]]) -> list[EvalRun]:
+    """Every run of the table: each pair at each cap (a standard pair also uncapped: each budget's accuracy
+    with full thinking), an elastic pair also with carried state when ``carry_state_compare``."""
+    runs: list[EvalRun] = []
     for think, answer in pairs:
         caps = list(config.think_caps)
         if think == answer and None not in caps:
-            caps.append(None)  # the uncapped run is each budget's accuracy with full thinking
+            caps.append(None)
         carries = [False, True] if config.carry_state_compare and think != answer else [False]
-        jobs += [(think, answer, cap, carry) for cap in caps for carry in carries]
-    bar = progress_bar(len(jobs) * len(sets), "evaluate", unit="run", disable=not config.progress)
+        runs += [EvalRun(think, answer, cap, carry) for cap in caps for carry in carries]
+    return runs
+
+
+def decode_set(config: EvalConfig, setup: EvalSetup, run: EvalRun, label: str) -> list[PhaseResult]:
+    """Budget control of ``run`` on every problem of set ``label``, ``batch_size`` problems at a time."""
+    prompts, outs = setup.prompts[label], []
+    for s in range(0, len(prompts), config.batch_size):
+        outs += budget_control(
+            setup.registry, run.think, run.answer, setup.tokens, prompts[s : s + config.batch_size], run.cap,
+            config.max_answer_tokens, setup.sampling, carry_state=run.carry,
+            allow_think_larger=config.allow_think_larger, think_limit=config.think_limit,
+        )  # fmt: skip
+    return outs
+
+
+def run_rows(config: EvalConfig, setup: EvalSetup) -> list[dict[str, Any]]:
+    """Decode and score every run on every set: a row per (run, level) and one over all levels per run.
+    Every budget first gets one untimed warm-up call, so one-time costs land on no pair's latency."""
+    registry, first = setup.registry, next(iter(setup.prompts.values()))[:1]
+    for name in registry.names:
+        budget_control(registry, name, name, setup.tokens, first, 2, 2, setup.sampling, think_limit=config.think_limit)
+    full_active = registry.active_params[registry.names[0]]
+    runs = eval_runs(config, setup.pairs)
+    bar = progress_bar(len(runs) * len(setup.sets), "evaluate", unit="run", disable=not config.progress)
     rows: list[dict[str, Any]] = []
-    for think, answer, cap, carry in jobs:
+    for run in runs:
+        shares = (registry.active_params[run.think] / full_active, registry.active_params[run.answer] / full_active)
         per_level, notes = [], set()
-        for label, problems in sets.items():
-            outs: list[PhaseResult] = []
-            for s in range(0, len(problems), config.batch_size):
-                outs += budget_control(
-                    registry, think, answer, tokens, prompts[label][s : s + config.batch_size], cap,
-                    config.max_answer_tokens, sampling, carry_state=carry,
-                    allow_think_larger=config.allow_think_larger, think_limit=config.think_limit,
-                )  # fmt: skip
+        for label, problems in setup.sets.items():
+            outs = decode_set(config, setup, run, label)
             notes.update(r.carry_note for r in outs if r.carry_note)
-            shares = (registry.active_params[think] / full_active, registry.active_params[answer] / full_active)
-            per_level.append({"level": label, **_summarize(problems, outs, *shares, reader=reader)})
+            per_level.append({"level": label, **_summarize(problems, outs, *shares, reader=setup.reader)})
             bar.update(1)
-            bar.set_postfix(pair=f"{think}->{answer}", cap=_cap_label(cap))
+            bar.set_postfix(pair=f"{run.think}->{run.answer}", cap=cap_label(run.cap))
         key = {
-            "think_budget": think,
-            "answer_budget": answer,
-            "control": "standard" if think == answer else "elastic",
-            "carry_state": carry,
-            "think_cap": cap,
+            "think_budget": run.think,
+            "answer_budget": run.answer,
+            "control": "standard" if run.think == run.answer else "elastic",
+            "carry_state": run.carry,
+            "think_cap": run.cap,
         }
         note = {"carry_note": sorted(notes)[0]} if notes else {}
         rows += [{**key, **lv, **note} for lv in per_level]
         rows.append({**key, "level": "all", **_aggregate(per_level), **note})
     bar.close()
+    return rows
 
-    full = registry.names[0]
-    per_budget = {b: {} for b in registry.names}  # full thinking (uncapped standard control), per level and "all"
-    for r in rows:
-        if r["control"] == "standard" and r["think_cap"] is None and not r["carry_state"]:
-            per_budget[r["think_budget"]][r["level"]] = r["accuracy"]
-    results: dict[str, Any] = {
-        "config": {**config.model_dump(mode="json"), **resolved},
-        "full_budget": full,
-        "budgets": [{"name": b, "active_params": registry.active_params[b]} for b in registry.names],
-        "levels": {label: len(ps) for label, ps in sets.items()},
-        "accuracy_per_budget": per_budget,
-        "rows": rows,
-    }
-    results["comparison"] = best_elastic_vs_standard(results)
-    # At demo size a decode step costs its operator overhead whatever the budget, so measured latency
-    # cannot show what a smaller think budget saves; the weight-pass proxy shows it where weights dominate.
-    results["comparison_weight_passes"] = best_elastic_vs_standard(results, "mean_weight_passes")
-    if config.carry_state_compare:
-        results["carry_vs_re_prefill"] = carry_comparison(rows)
 
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, csv_path = out / RESULTS_JSON, out / RESULTS_CSV
-    json_path.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    _write_csv(rows, csv_path)
-    overall = [r for r in rows if r["level"] == "all" and not r["carry_state"]]
-    plot_path = pareto_plot(overall, out / PLOT_FILE)
-    proxy_plot = pareto_plot(
-        overall,
-        out / PROXY_PLOT_FILE,
-        title="Accuracy vs weight-bound latency proxy per (think, answer) pair",
-        x_key="mean_weight_passes",
-        x_label="full-model forward passes per problem (active-parameter weighted)",
-    )
-
-    metrics: dict[str, float] = {}
-    for b, accs in per_budget.items():
-        metrics[_metric_name("acc", b)] = accs["all"]
-        for label, acc in accs.items():
-            if label != "all":
-                metrics[_metric_name("acc", b, f"L{label}")] = acc
-    for r in overall:
-        stem = ("pair", r["think_budget"], r["answer_budget"], f"cap_{_cap_label(r['think_cap'])}")
-        metrics[_metric_name(*stem, "acc")] = r["accuracy"]
-        metrics[_metric_name(*stem, "latency_s")] = r["mean_latency_s"]
-        if r["think_budget"] == r["answer_budget"] and r["think_cap"] is None:
-            metrics[_metric_name("latency_s", r["think_budget"])] = r["mean_latency_s"]
-    comp = results["comparison"]
-    if comp.get("accuracy_gain_at_equal_latency"):
-        metrics["elastic_vs_standard/accuracy_gain"] = comp["accuracy_gain_at_equal_latency"]["accuracy_gain"]
-    if comp.get("speedup_at_equal_accuracy"):
-        metrics["elastic_vs_standard/speedup"] = comp["speedup_at_equal_accuracy"]["speedup"]
-    proxy = results["comparison_weight_passes"]
-    if proxy.get("accuracy_gain_at_equal_latency"):
-        metrics["elastic_vs_standard_weight_passes/accuracy_gain"] = proxy["accuracy_gain_at_equal_latency"][
-            "accuracy_gain"
-        ]
-    if proxy.get("speedup_at_equal_accuracy"):
-        metrics["elastic_vs_standard_weight_passes/speedup"] = proxy["speedup_at_equal_accuracy"]["speedup"]
+def run_evaluate(config: EvalConfig, tracker: Tracker | None = None) -> EvalOutputs:
+    """Run the stage (module docstring): :func:`prepare`, :func:`run_rows`, then the results document, its files
+    and metrics (:mod:`components.eval_report`), logged through ``tracker``."""
+    tracker = tracker or NullTracker()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    setup = prepare(config)
+    logged = {**config.model_dump(mode="json"), **setup.resolved}
+    tracker.log_params({"evaluate": logged, "budgets": setup.registry.active_params})
+    rows = run_rows(config, setup)
+    levels = {label: len(items) for label, items in setup.sets.items()}
+    results = build_results(logged, setup.registry.active_params, levels, rows, config.carry_state_compare)
+    paths = write_results(results, Path(config.output_dir))
+    metrics = headline_metrics(results)
     tracker.log_metrics(metrics)
-    for path in (json_path, csv_path, plot_path, proxy_plot):
-        tracker.log_artifact(path, "evaluate")
-    if comp.get("best_pair"):
-        tracker.set_tags({"evaluate.best_elastic_pair": comp["best_pair"]})
+    for kind in ("json", "csv", "plot", "proxy_plot"):
+        tracker.log_artifact(paths[kind], "evaluate")
+    comparison = results["comparison"]
+    if comparison.get("best_pair"):
+        tracker.set_tags({"evaluate.best_elastic_pair": comparison["best_pair"]})
     return EvalOutputs(
-        results_json=str(json_path),
-        results_csv=str(csv_path),
-        plot_png=str(plot_path),
+        results_json=str(paths["json"]),
+        results_csv=str(paths["csv"]),
+        plot_png=str(paths["plot"]),
         metrics=metrics,
-        comparison=comp,
+        comparison=comparison,
     )

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from components.plan_inputs import PhaseShape, PlanHardware
 from components.plan_time import GB, PhaseTime, phase_time, time_metrics, time_rows
+from components.tracking import Tracker
 from model.config import HybridConfig
 from model.elastic.params import count_params
 from model.mamba import _cpu_chunk_size
@@ -385,20 +386,10 @@ def _slug(name: str) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_").replace("__", "_")
 
 
-def log_plan(plan: Plan, tracker: Any = None) -> None:
-    """Log the plan as ``plan.json`` plus flat metrics: through ``tracker`` (a
-    :class:`~components.tracking.Tracker`), or into MLflow's active run when ``tracker`` is None."""
-    data, metrics = plan_json(plan), plan_metrics(plan)
-    if tracker is not None:
-        tracker.log_dict(data, "plan.json")
-        tracker.log_metrics(metrics)
-        return
-    import mlflow
-
-    if mlflow.active_run() is None:
-        raise RuntimeError("log_plan: no active MLflow run; start one (mlflow.start_run) or pass a tracker")
-    mlflow.log_dict(data, "plan.json")
-    mlflow.log_metrics(metrics)
+def log_plan(plan: Plan, tracker: Tracker) -> None:
+    """Log the plan through ``tracker`` as ``plan.json`` plus flat metrics."""
+    tracker.log_dict(plan_json(plan), "plan.json")
+    tracker.log_metrics(plan_metrics(plan))
 
 
 def dumps(plan: Plan) -> str:

@@ -394,13 +394,6 @@ def decode_rows(
     return outputs  # type: ignore[return-value]
 
 
-def generate_bucket(
-    model, input_ids: Tensor, params: SamplingParams, mask: ModelMask | None = None, decode: Decode | None = None
-) -> tuple[list[list[int]], list[bool]]:
-    """input_ids: (batch, prompt_len), all the same length. Returns (new tokens per row, stopped-by-a-stop)."""
-    return generate(model, input_ids.tolist(), params, mask, decode)
-
-
 def generate(
     model,
     prompts: Sequence[Sequence[int]],

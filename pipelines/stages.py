@@ -166,7 +166,7 @@ def build_export(ctx: StageContext) -> BaseModel:
 def export_work(cfg: ExportStageConfig, publish_uri: str | None, tracker: Tracker) -> dict[str, Any]:
     """The export stage's task: the nested checkpoint streamed from the phase-2 output, its budgets logged,
     and (with a storage root) the folder published from the task's node."""
-    from components.distill.stage import run_export
+    from components.distill.export import run_export
     from components.storage import publish
     from model.elastic.export import read_elastic
 

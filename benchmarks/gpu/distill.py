@@ -111,6 +111,7 @@ def run(ctx: Context) -> None:
     host_base = restart_resident_peak()
     with process_group(backend, ctx.device):
         from components.distill import worker as W
+        from components.distill.step import ElasticSpec
 
         start = time.perf_counter()
         teacher = W.build_teacher(cfg, parent, model_config, device, 1)
@@ -121,7 +122,8 @@ def run(ctx: Context) -> None:
         if ctx.device == "cuda":
             build_peak = torch.cuda.max_memory_allocated() / 1e9
             torch.cuda.reset_peak_memory_stats()
-        times, kd, grad_norm = _steps(ctx, cfg, engine, teacher, base_lrs, parent, count_params(model_config))
+        spec = ElasticSpec.from_config(cfg, model_config)
+        times, kd, grad_norm = _steps(ctx, cfg, engine, teacher, base_lrs, parent, spec)
     figures: dict[str, Any] = {"backend": backend, "parent_params": count_params(model_config).total,
                                "build_s": build_s, "first_step_s": times[0], "step_s": times[-1], "kd": kd,
                                "grad_norm": grad_norm}  # fmt: skip
@@ -135,12 +137,12 @@ def run(ctx: Context) -> None:
 
 
 def _steps(
-    ctx: Context, cfg: Any, engine: Any, teacher: Any, base_lrs: list[float], parent: Path, counts: Any
+    ctx: Context, cfg: Any, engine: Any, teacher: Any, base_lrs: list[float], parent: Path, spec: Any
 ) -> tuple[list[float], float, float]:
     """``cfg.steps`` optimizer steps as the worker takes them: (seconds per step, last KD loss, last grad norm)."""
     from components.data import TextTokenizer, derive_seed, make_data_batch
     from components.distill.draws import draw_budget, draw_hard_sample, lr_factor, router_generator
-    from components.distill.worker import elastic_loss
+    from components.distill.step import elastic_loss
 
     tokenizer = TextTokenizer.load(parent)
     stream_seed = derive_seed("distill", cfg.seed, cfg.phase)
@@ -160,10 +162,9 @@ def _steps(
             phase="distill1", step=step, rank=0, world=1,
         ).to(ctx.device)  # fmt: skip
         loss, kd, _, _ = elastic_loss(
-            engine, teacher, batch.input_ids, batch.loss_mask, cfg.budget_set, b_idx, g_step, g_total,
-            router_generator(cfg.seed, cfg.phase, step, 0, 0), cfg.alpha, counts.active, cfg.space,
-            cfg.depth_order, cfg.dead_zone, counts.total,
-            draw_hard_sample(cfg.seed, cfg.phase, step, 0, cfg.router.hard_sample_prob), cfg.kd_chunk_tokens,
+            engine, teacher, spec, batch.input_ids, batch.loss_mask, b_idx, (g_step, g_total),
+            router_generator(cfg.seed, cfg.phase, step, 0, 0),
+            draw_hard_sample(cfg.seed, cfg.phase, step, 0, cfg.router.hard_sample_prob),
         )  # fmt: skip
         engine.backward(loss)
         engine.step()

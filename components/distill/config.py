@@ -54,7 +54,7 @@ PHASE_SEQ_LEN: dict[int, int] = {1: 64, 2: 256}
 class DistillConfig(BaseModel):
     """One distillation phase: teacher, student initialisation, elastic space, budgets, schedule, cluster."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)  # resolved once, then only read
 
     # ------------------------------------------------------------------ what is trained
     phase: Literal[1, 2] = Field(1, description="1: short context, uniform budgets; 2: long context, skewed budgets.")
@@ -208,6 +208,15 @@ class DistillConfig(BaseModel):
     )
 
     # ------------------------------------------------------------------ validation
+    @model_validator(mode="before")
+    @classmethod
+    def _phase_seq_len(cls, data: Any) -> Any:
+        # The phase's default length is filled in before validation (a frozen config is never assigned to);
+        # an unknown phase is left for the field's own error.
+        if isinstance(data, dict) and data.get("seq_len") is None and data.get("phase", 1) in PHASE_SEQ_LEN:
+            return {**data, "seq_len": PHASE_SEQ_LEN[data.get("phase", 1)]}
+        return data
+
     @field_validator("budget_probs")
     @classmethod
     def _probs_valid(cls, probs: list[float] | None) -> list[float] | None:
@@ -221,8 +230,6 @@ class DistillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> DistillConfig:
-        if self.seq_len is None:
-            self.seq_len = PHASE_SEQ_LEN[self.phase]
         budget_set = self.budget_set  # sorts and checks names / fractions / the full budget
         if self.budget_probs is not None and len(self.budget_probs) != len(budget_set):
             raise ValueError(

@@ -38,6 +38,11 @@ Design choices:
   gathers each parameter straight into its own buffer (:func:`.zero3.per_parameter_gathers`): otherwise glibc keeps
   the freed gathered layers resident and the resident peak loses most of what partitioning saves. GPU
   workers leave the host heap and DeepSpeed's gathers as they are.
+* The loop reads top to bottom: :func:`start_run` (process group, models, engine, resume, tracker), then per
+  step :func:`train_step`, :func:`log_row` and :func:`save_and_report`. What they share is one frozen
+  :class:`WorkerRun`; what stays the same for the loss over the run (model config, space, budgets, depth
+  order, dead zone, parameter counts) is one frozen :class:`~components.distill.step.ElasticSpec`, and the
+  loss itself (:func:`~components.distill.step.elastic_loss`) needs neither Ray nor DeepSpeed (:mod:`.step`).
 * The loop holds no test code: ``step_callback`` (an import path in the config) is the one way into it.
 * Every rank calls ``ray.train.report`` at the same steps (it is a barrier), each with its own
   checkpoint folder: its shard written by DeepSpeed's ``save_checkpoint`` (rank 0 adds the state); Ray
@@ -57,12 +62,12 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -70,114 +75,18 @@ from components.data import TextTokenizer, derive_seed, make_data_batch
 from components.distill import ckpt, heap, zero3
 from components.distill.config import DistillConfig, resolve_step_callback
 from components.distill.draws import draw_budget, draw_hard_sample, lr_factor, router_generator
+from components.distill.step import ElasticSpec, ElasticStudent, elastic_loss, router_report
 from components.progress import progress_bar
 from model.checkpoint import read_config
 from model.config import HybridConfig
-from model.elastic.budgets import BudgetSet
-from model.elastic.build_masks import soft_mask
-from model.elastic.kd_chunked import DEFAULT_CHUNK, chunked_kd_loss
-from model.elastic.losses import BudgetLossOut, budget_loss, kd_loss
-from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter, RouterSample
-from model.elastic.space import ElasticSpace
 from model.hybrid import HybridLM
 
-
-class ElasticStudent(nn.Module):
-    """The trained module: the student HybridLM and its BudgetRouter, run together in ``forward``; with the
-    teacher's hidden states it also computes the KD loss (so that, under ZeRO-3, the student's ``lm_head``
-    is gathered by the engine for the loss: the worker registers it as an external parameter of this module)."""
-
-    def __init__(self, student: HybridLM, router: BudgetRouter, depth_order: list[int] | None = None) -> None:
-        super().__init__()
-        self.student = student
-        self.router = router
-        self.depth_order = depth_order
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        budget_vec: Tensor,
-        step: int,
-        total_steps: int,
-        generator: torch.Generator,
-        hard: bool | None = None,
-        teacher_hidden: Tensor | None = None,
-        teacher_head: Tensor | None = None,
-        loss_mask: Tensor | None = None,
-        kd_chunk_tokens: int = DEFAULT_CHUNK,
-    ) -> tuple[Tensor, RouterSample]:
-        """input_ids (batch, seq), budget_vec (n_budgets,) -> student logits (batch, seq, vocab) and the sample;
-        with ``teacher_hidden`` (batch, seq, teacher hidden) and ``teacher_head`` (vocab, teacher hidden), the
-        float32 KD loss of the masked student against the teacher (``loss_mask`` (batch, seq)) and the sample.
-
-        ``step`` / ``total_steps``: the router schedule's global position; ``hard``: see :meth:`BudgetRouter.forward`;
-        ``kd_chunk_tokens``: token rows per chunk of :func:`chunked_kd_loss` (0: the reference :func:`kd_loss` on
-        full logits).
-        """
-        sample = self.router(budget_vec, step, total_steps, generator=generator, hard=hard)
-        probs = {axis: p.to(self.student.lm_head.weight.dtype) for axis, p in sample.probs.items()}
-        mask = soft_mask(self.student.config, probs, self.router.space, self.depth_order)
-        if teacher_hidden is None:
-            return self.student(input_ids, mask=mask).logits, sample
-        hidden = self.student(input_ids, mask=mask, skip_logits=True).hidden
-        if kd_chunk_tokens == 0:
-            logits = self.student.lm_head(hidden)
-            return kd_loss(logits, F.linear(teacher_hidden, teacher_head), loss_mask), sample
-        kd = chunked_kd_loss(
-            hidden, self.student.lm_head.weight, loss_mask=loss_mask, teacher_hidden=teacher_hidden,
-            teacher_lm_head_weight=teacher_head, chunk_size=kd_chunk_tokens,
-        )  # fmt: skip
-        return kd, sample
+if TYPE_CHECKING:
+    from components.tracking import Tracker
 
 
-# ---------------------------------------------------------------------- step pieces (no Ray, no DeepSpeed)
-def elastic_loss(
-    model: nn.Module,
-    teacher: HybridLM,
-    input_ids: Tensor,
-    loss_mask: Tensor,
-    budgets: BudgetSet,
-    budget_index: int,
-    step: int,
-    total_steps: int,
-    generator: torch.Generator,
-    alpha: float,
-    full_active: int,
-    space: ElasticSpace,
-    depth_order: list[int] | None = None,
-    dead_zone: float = 0.05,
-    full_total: int | None = None,
-    hard: bool | None = None,
-    kd_chunk_tokens: int = DEFAULT_CHUNK,
-) -> tuple[Tensor, Tensor, BudgetLossOut, RouterSample]:
-    """(total loss, KD loss, budget loss, router sample) of one elastic micro-batch; ``model`` is an
-    :class:`ElasticStudent` or a DeepSpeed engine around one, ``teacher`` the frozen HybridLM or its ZeRO-3
-    engine (:func:`build_teacher`). ``step`` / ``total_steps``: the router schedule's global position
-    (:meth:`RouterConfig.schedule_at`); ``full_total``: the parent's total parameters (counted when None);
-    ``hard``: force or forbid a hard router sample (None: the router's coin); ``kd_chunk_tokens``: see
-    :meth:`ElasticStudent.forward`.
-
-    The teacher sends its final hidden states (batch, seq, hidden), not logits; the loss applies both
-    ``lm_head`` weights chunk by chunk. Under ZeRO-3 the teacher's ``lm_head`` is gathered for the loss only.
-    """
-    budget = budgets.budgets[budget_index]
-    teacher_lm = getattr(teacher, "module", teacher)  # the HybridLM inside a DeepSpeed engine
-    with torch.no_grad():
-        teacher_hidden = teacher(input_ids, skip_logits=True).hidden
-    vec = budgets.one_hot(budget.name)
-    head = teacher_lm.lm_head.weight
-    with zero3.gathered([head]):
-        kd, sample = model(
-            input_ids, vec, step, total_steps, generator, hard, teacher_hidden, head, loss_mask, kd_chunk_tokens
-        )
-    bl = budget_loss(
-        teacher_lm.config, space, sample.probs, budget, budget_index == 0,
-        dead_zone=dead_zone, depth_order=depth_order, full_active=full_active, full_total=full_total,
-    )  # fmt: skip
-    return kd + alpha * bl.loss.to(kd.dtype), kd, bl, sample
-
-
+# ---------------------------------------------------------------------- the engine and its models
 def param_groups(model: ElasticStudent, cfg: DistillConfig) -> list[dict[str, Any]]:
     """AdamW groups: decayed student matrices, undecayed student vectors/norms, router (router_lr, no decay)."""
     decay, no_decay = [], []
@@ -281,31 +190,6 @@ def build_engine(
     return engine, base_lrs
 
 
-@torch.no_grad()
-def router_report(
-    router: BudgetRouter, budgets: BudgetSet, cfg: DistillConfig, config: HybridConfig, step: int, full: int
-) -> dict[str, float]:
-    """Noise-free router state per budget: probabilities ``softmax(scale * logits / tau)`` per axis
-    (averaged over layers for per-layer choices), the expected active / total parameters and their ratios to
-    the stated targets. ``step``: this run's step (the schedule's global position is derived from it)."""
-    out: dict[str, float] = {}
-    at = cfg.router.schedule_at(step, cfg.steps)
-    tau, scale = router.tau(*at), router.scale(*at)
-    for i, b in enumerate(budgets.budgets):
-        logits = router.logits(budgets.one_hot(b.name))
-        probs = {axis: torch.softmax(scale * z.float() / tau, dim=-1) for axis, z in logits.items()}
-        for axis, p in probs.items():
-            row = p.reshape(-1, p.shape[-1]).mean(0)
-            for k, v in enumerate(row.tolist()):
-                out[f"router/{b.name}/{axis}/p{k}"] = v
-        bl = budget_loss(config, cfg.space, probs, b, i == 0, depth_order=cfg.depth_order, full_active=full)
-        out[f"params/{b.name}/expected_active"] = float(bl.expected_active)
-        out[f"params/{b.name}/expected_total"] = float(bl.expected_total)
-        for kind, ratio in bl.ratios.items():
-            out[f"params/{b.name}/{kind}_ratio"] = float(ratio)
-    return out
-
-
 def memory_peaks(device: torch.device, host_baseline: int) -> dict[str, float]:
     """Largest over ranks, GB: the host's resident peak above ``host_baseline`` and the accelerator's allocated
     peak (0 on CPU), for comparing a run with ``star-elastic plan``. One small all-reduce: call on every rank."""
@@ -317,18 +201,77 @@ def memory_peaks(device: torch.device, host_baseline: int) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------- the Ray Train loop
-def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - one linear training loop
-    """Entry point of every Ray Train worker (``train_loop_config`` is the dumped :class:`DistillConfig`)."""
-    import logging
+@dataclass(frozen=True)
+class WorkerRun:
+    """One rank's training run as :func:`start_run` sets it up: what the step, log and checkpoint functions share.
+    Only ``state`` changes as the run goes (it is what a checkpoint saves)."""
 
+    cfg: DistillConfig
+    spec: ElasticSpec
+    engine: Any
+    """The DeepSpeed engine around the :class:`ElasticStudent`."""
+    teacher: nn.Module
+    """The frozen teacher (its own ZeRO-3 engine at ZeRO-3)."""
+    tokenizer: TextTokenizer
+    tracker: Tracker
+    """Rank 0's MLflow run; a null tracker on the other ranks."""
+    state: ckpt.TrainState
+    """Next step, tokens seen, training seconds, logged rows: updated in place every step."""
+    base_lrs: list[float]
+    """Peak learning rate of each optimizer group (the schedule scales them)."""
+    rank: int
+    world: int
+    device: torch.device
+    host_baseline: int
+    """Resident bytes before the models were built (the memory peaks are reported above it)."""
+    stream_seed: int
+    """Seed of this phase's data stream."""
+    excluded: set[str] | None
+    """The evaluate stage's held-out prompts, never trained on."""
+    start_step: int
+    """The step this attempt starts at (0, or where the checkpoint it resumed from ended)."""
+    loop_start: float
+    """``time.perf_counter()`` when this attempt's steps began."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step over every rank and micro-batch."""
+        return self.cfg.micro_batch_size * self.cfg.seq_len * self.world * self.cfg.grad_accum_steps
+
+
+@dataclass
+class Window:
+    """What this rank gathered since the last log row (``sums``) and since its attempt started (rows cut)."""
+
+    sums: Tensor
+    """(n_budgets, 3) float64, per budget: summed KD loss, summed budget loss, micro-batches."""
+    truncated: int = 0
+    """Overlong rows truncated since the attempt started."""
+    dropped: int = 0
+    """Overlong rows dropped since the attempt started."""
+    last_loss: float = float("nan")
+    """The loss of the latest log row (what a checkpoint report carries)."""
+
+
+def resume_state(cfg: DistillConfig, engine: Any, rank: int, world: int) -> ckpt.TrainState:
+    """A fresh train state, or after a worker-group restart the latest checkpoint's (attempt counted up), with
+    this rank's shard (weights, float32 master weights, optimizer moments) loaded into ``engine``."""
+    import ray.train
+
+    resume = ray.train.get_checkpoint()  # the latest checkpoint after a worker-group restart, else None
+    if resume is None:
+        return ckpt.TrainState(world_size=world, zero_stage=cfg.zero_stage, phase=cfg.phase)
+    with ckpt.fetch(resume, lambda relative: ckpt.rank_needs(relative, rank)) as folder:
+        saved = ckpt.load_checkpoint(engine, folder, world, cfg.zero_stage)
+    return saved.model_copy(update={"attempt": saved.attempt + 1})
+
+
+def start_run(cfg: DistillConfig) -> WorkerRun:
+    """This rank's process group, teacher, engine (resumed from Ray Train's latest checkpoint if any) and tracker;
+    rank 0 logs the config on a first attempt, the resume point on a later one."""
     import ray.train
     import ray.train.torch
 
-    logging.getLogger().setLevel(logging.WARNING)  # Ray Train's INFO report lines would repeat on every rank
-
-    cfg = DistillConfig.model_validate(raw_config)
-    configure_host_memory(cfg)
-    step_callback = resolve_step_callback(cfg.step_callback)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.use_gpu else torch.device("cpu")
@@ -345,125 +288,152 @@ def train_loop_per_worker(raw_config: dict[str, Any]) -> None:  # noqa: C901 - o
     teacher_dir = materialize(cfg.teacher_uri)
     tokenizer = TextTokenizer.load(teacher_dir, cfg.markers)
     model_config = read_config(teacher_dir)[0]
-    budgets = cfg.budget_set
-    full_active, full_total = count_params(model_config).active, count_params(model_config).total
-
+    spec = ElasticSpec.from_config(cfg, model_config)
     teacher = build_teacher(cfg, teacher_dir, model_config, device, world)
     init_dir = materialize(cfg.init_from) if cfg.init_from else teacher_dir
     engine, base_lrs = build_engine(cfg, build_student(cfg, model_config, init_dir, device, world), world, model_config)
-
-    state = ckpt.TrainState(world_size=world, zero_stage=cfg.zero_stage, phase=cfg.phase)
-    resume = ray.train.get_checkpoint()  # the latest checkpoint after a worker-group restart, else None
-    if resume is not None:  # this rank's shard only: weights, float32 master weights, optimizer moments
-        with ckpt.fetch(resume, lambda relative: ckpt.rank_needs(relative, rank)) as folder:
-            saved = ckpt.load_checkpoint(engine, folder, world, cfg.zero_stage)
-        state = saved.model_copy(update={"attempt": saved.attempt + 1})
+    state = resume_state(cfg, engine, rank, world)
 
     tracker = tracker_for_worker(cfg.tracking_uri, cfg.run_id, cfg.experiment) if rank == 0 else NullTracker()
     if rank == 0 and state.attempt == 0:
-        tracker.log_params({"distill": cfg.model_dump(mode="json"), "world_size": world, "full_active": full_active})
+        tracker.log_params(
+            {"distill": cfg.model_dump(mode="json"), "world_size": world, "full_active": spec.full_active}
+        )
     if rank == 0 and state.attempt > 0:
         tracker.log_metrics({"resume/from_step": state.next_step, "resume/attempt": state.attempt}, state.next_step)
         print(f"[distill p{cfg.phase}] attempt {state.attempt}: resumed at step {state.next_step}", flush=True)
-
     stream_seed = derive_seed("distill", cfg.seed, cfg.phase)
     excluded = cfg.excluded_prompts()  # the evaluate stage's held-out problems are never trained on
-    probs = cfg.sampling_probs
-    n_b = len(budgets)
-    acc = torch.zeros(n_b, 3, dtype=torch.float64)  # per budget since the last log: sum kd, sum budget loss, count
-    data_counts = [0, 0]  # this rank's overlong rows since the start of this attempt: truncated, dropped
-    accum = cfg.grad_accum_steps
-    tokens_per_step = cfg.micro_batch_size * cfg.seq_len * world * accum
-    start_step, loop_start = state.next_step, time.perf_counter()
-    seconds_before = state.train_seconds
+    return WorkerRun(
+        cfg, spec, engine, teacher, tokenizer, tracker, state, base_lrs, rank, world, device, host_baseline,
+        stream_seed, excluded, start_step=state.next_step, loop_start=time.perf_counter(),
+    )  # fmt: skip
 
-    def save_and_report(metrics: dict[str, float], commit: bool) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt.save_checkpoint(engine, Path(tmp), rank, state)  # every rank its own shard; nothing gathered
-            checkpoint = ray.train.Checkpoint.from_directory(tmp)
-            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step_{state.next_step:08d}")
-        if commit:
-            # Ray Train registers a checkpoint only when its controller polls the report (every ~2 s) from
-            # EVERY rank; a rank that dies before that poll loses the checkpoint, and the restart falls
-            # back to an older one. Each rank's report queue holds one entry, so this second report
-            # returns only once the first has been taken: after it, the checkpoint is registered.
-            ray.train.report({**metrics, "committed": 1.0})
 
-    last = {"loss": float("nan")}
-    bar = progress_bar(cfg.steps, f"distill p{cfg.phase}", unit="step", disable=rank != 0, initial=start_step)
-    for step in range(start_step, cfg.steps):
+def train_step(run: WorkerRun, step: int, window: Window) -> tuple[float, RouterSample]:
+    """Optimizer step ``step``: the scheduled learning rates, then ``grad_accum_steps`` micro-batches, each with
+    its own budget draw (an update mixes budgets), DeepSpeed updating at the last one. Adds every micro-batch's
+    losses to ``window``; returns the step's lr factor and the last micro-batch's router sample."""
+    cfg, accum = run.cfg, run.cfg.grad_accum_steps
+    factor = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
+    for group, base in zip(run.engine.optimizer.param_groups, run.base_lrs, strict=True):
+        group["lr"] = base * factor
+    schedule = cfg.router.schedule_at(step, cfg.steps)  # the router schedule spans both phases
+    for micro in range(accum):
+        b_idx = draw_budget(cfg.seed, cfg.phase, step, cfg.sampling_probs, micro)
+        batch = make_data_batch(
+            cfg.data, run.tokenizer, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=run.stream_seed,
+            phase=f"distill{cfg.phase}", step=step * accum + micro, rank=run.rank, world=run.world,
+            exclude=run.excluded,
+        )  # fmt: skip
+        window.truncated += batch.n_truncated
+        window.dropped += batch.n_dropped
+        batch = batch.to(run.device)
+        loss, kd, bl, sample = elastic_loss(
+            run.engine, run.teacher, run.spec, batch.input_ids, batch.loss_mask, b_idx, schedule,
+            router_generator(cfg.seed, cfg.phase, step, micro, run.rank),
+            draw_hard_sample(cfg.seed, cfg.phase, step, micro, cfg.router.hard_sample_prob),
+        )  # fmt: skip
+        run.engine.backward(loss)  # scaled by 1 / accum; the update happens at the last micro-batch
+        run.engine.step()
+        window.sums[b_idx] += torch.tensor([kd.item(), bl.loss.item(), 1.0], dtype=torch.float64)
+    return factor, sample
+
+
+def log_row(run: WorkerRun, window: Window, step: int, factor: float, sample: RouterSample) -> dict[str, float]:
+    """The metrics of the steps since the last row, ending with step ``step``: KD and budget losses averaged over
+    every rank's micro-batches (one all-reduce; per budget too), the router's report, learning rates, rate and
+    memory peaks. Rank 0 logs them and keeps the row in the train state's history. Call on every rank."""
+    cfg, acc, world, done = run.cfg, window.sums, run.world, run.state.next_step
+    reduced = acc.to(run.device)  # NCCL reduces device tensors only
+    dist.all_reduce(reduced)  # sums over ranks; counts are identical on every rank
+    acc.copy_(reduced.cpu())
+    router = run.engine.module.router
+    with zero3.gathered(router.parameters()):
+        routed = router_report(router, run.spec, cfg.router.schedule_at(step, cfg.steps))
+    count = acc[:, 2].clamp_min(1.0)
+    n_steps = acc[:, 2].sum().item() / world
+    elapsed = time.perf_counter() - run.loop_start
+    row: dict[str, float] = {
+        "kd": acc[:, 0].sum().item() / max(n_steps * world, 1.0),
+        "budget_loss": acc[:, 1].sum().item() / max(n_steps * world, 1.0),
+        "tau": sample.tau,
+        "scale": sample.scale,
+        "lr": run.base_lrs[0] * factor,
+        "router_lr": run.base_lrs[-1] * factor,
+        "grad_norm": float(run.engine.get_global_grad_norm() or 0.0),
+        "tokens_per_s": run.tokens_per_step * (done - run.start_step) / max(elapsed, 1e-9),
+        "tokens_seen": float(run.state.tokens_seen),
+        "attempt": float(run.state.attempt),
+        "data/truncated_rows_rank0": float(window.truncated),
+        "data/dropped_rows_rank0": float(window.dropped),
+    }
+    row["loss"] = row["kd"] + run.spec.alpha * row["budget_loss"]
+    row.update(memory_peaks(run.device, run.host_baseline))
+    for i, b in enumerate(run.spec.budgets.budgets):
+        if acc[i, 2] > 0:
+            row[f"kd/{b.name}"] = acc[i, 0].item() / count[i].item()
+            row[f"budget_loss/{b.name}"] = acc[i, 1].item() / count[i].item()
+    acc.zero_()
+    window.last_loss = row["loss"]
+    if run.rank == 0:
+        run.tracker.log_metrics({**row, **routed}, step=done)
+        run.state.history.append({"step": done, **row})
+    return row
+
+
+def save_and_report(run: WorkerRun, window: Window, commit: bool) -> None:
+    """Checkpoint this rank's shard (DeepSpeed's files; rank 0 adds the train state) and report it to Ray Train
+    with the step, the latest logged loss and the attempt. Every rank calls it at the same steps (a barrier).
+
+    ``commit``: then report once more: Ray Train registers a checkpoint only when its controller polls the
+    report (every ~2 s) from EVERY rank; a rank that dies before that poll loses the checkpoint, and the restart
+    falls back to an older one. Each rank's report queue holds one entry, so this second report returns only
+    once the first has been taken: after it, the checkpoint is registered.
+    """
+    import ray.train
+
+    state = run.state
+    metrics = {"step": float(state.next_step), "loss": window.last_loss, "attempt": float(state.attempt)}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt.save_checkpoint(run.engine, Path(tmp), run.rank, state)  # every rank its own shard; nothing gathered
+        checkpoint = ray.train.Checkpoint.from_directory(tmp)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=f"step_{state.next_step:08d}")
+    if commit:
+        ray.train.report({**metrics, "committed": 1.0})
+
+
+def train_loop_per_worker(raw_config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker (``train_loop_config`` is the dumped :class:`DistillConfig`):
+    :func:`start_run`, then every step :func:`train_step`, every ``log_every`` steps :func:`log_row` and every
+    ``checkpoint_every`` steps :func:`save_and_report` (both at the last step too)."""
+    import logging
+
+    logging.getLogger().setLevel(logging.WARNING)  # Ray Train's INFO report lines would repeat on every rank
+
+    cfg = DistillConfig.model_validate(raw_config)
+    configure_host_memory(cfg)
+    step_callback = resolve_step_callback(cfg.step_callback)
+    run = start_run(cfg)
+    state, seconds_before = run.state, run.state.train_seconds
+    window = Window(torch.zeros(len(run.spec.budgets), 3, dtype=torch.float64))
+    bar = progress_bar(cfg.steps, f"distill p{cfg.phase}", unit="step", disable=run.rank != 0, initial=run.start_step)
+    for step in range(run.start_step, cfg.steps):
         if step_callback is not None:
-            step_callback(cfg, step, rank, world)
-        factor = lr_factor(step, cfg.steps, cfg.warmup_steps, cfg.min_lr_ratio)
-        for group, base in zip(engine.optimizer.param_groups, base_lrs, strict=True):
-            group["lr"] = base * factor
-        g_step, g_total = cfg.router.schedule_at(step, cfg.steps)  # the router schedule spans both phases
-        for micro in range(accum):  # one budget per micro-batch: an update mixes budgets
-            b_idx = draw_budget(cfg.seed, cfg.phase, step, probs, micro)
-            batch = make_data_batch(
-                cfg.data, tokenizer, batch_size=cfg.micro_batch_size, seq_len=cfg.seq_len, seed=stream_seed,
-                phase=f"distill{cfg.phase}", step=step * accum + micro, rank=rank, world=world, exclude=excluded,
-            )  # fmt: skip
-            data_counts[0] += batch.n_truncated
-            data_counts[1] += batch.n_dropped
-            batch = batch.to(device)
-            loss, kd, bl, sample = elastic_loss(
-                engine, teacher, batch.input_ids, batch.loss_mask, budgets, b_idx, g_step, g_total,
-                router_generator(cfg.seed, cfg.phase, step, micro, rank), cfg.alpha, full_active, cfg.space,
-                cfg.depth_order, cfg.dead_zone, full_total,
-                draw_hard_sample(cfg.seed, cfg.phase, step, micro, cfg.router.hard_sample_prob),
-                cfg.kd_chunk_tokens,
-            )  # fmt: skip
-            engine.backward(loss)  # scaled by 1 / accum; the update happens at the last micro-batch
-            engine.step()
-            acc[b_idx] += torch.tensor([kd.item(), bl.loss.item(), 1.0], dtype=torch.float64)
-        state.next_step = step + 1
+            step_callback(cfg, step, run.rank, run.world)
+        factor, sample = train_step(run, step, window)
+        state.next_step = done = step + 1
         bar.update(1)
-        state.tokens_seen += tokens_per_step
-        state.train_seconds = seconds_before + time.perf_counter() - loop_start
-
-        done = state.next_step
+        state.tokens_seen += run.tokens_per_step
+        state.train_seconds = seconds_before + time.perf_counter() - run.loop_start
         if done % cfg.log_every == 0 or done == cfg.steps:
-            reduced = acc.to(device)  # NCCL reduces device tensors only
-            dist.all_reduce(reduced)  # sums over ranks; counts are identical on every rank
-            acc.copy_(reduced.cpu())
-            with zero3.gathered(engine.module.router.parameters()):
-                routed = router_report(engine.module.router, budgets, cfg, model_config, step, full_active)
-            count = acc[:, 2].clamp_min(1.0)
-            n_steps = acc[:, 2].sum().item() / world
-            elapsed = time.perf_counter() - loop_start
-            rate = tokens_per_step * (done - start_step) / max(elapsed, 1e-9)
-            row: dict[str, float] = {
-                "kd": acc[:, 0].sum().item() / max(n_steps * world, 1.0),
-                "budget_loss": acc[:, 1].sum().item() / max(n_steps * world, 1.0),
-                "tau": sample.tau,
-                "scale": sample.scale,
-                "lr": base_lrs[0] * factor,
-                "router_lr": base_lrs[-1] * factor,
-                "grad_norm": float(engine.get_global_grad_norm() or 0.0),
-                "tokens_per_s": rate,
-                "tokens_seen": float(state.tokens_seen),
-                "attempt": float(state.attempt),
-                "data/truncated_rows_rank0": float(data_counts[0]),
-                "data/dropped_rows_rank0": float(data_counts[1]),
-            }
-            row["loss"] = row["kd"] + cfg.alpha * row["budget_loss"]
-            row.update(memory_peaks(device, host_baseline))
-            for i, b in enumerate(budgets.budgets):
-                if acc[i, 2] > 0:
-                    row[f"kd/{b.name}"] = acc[i, 0].item() / count[i].item()
-                    row[f"budget_loss/{b.name}"] = acc[i, 1].item() / count[i].item()
-            acc.zero_()
-            last = row
-            if rank == 0:
-                tracker.log_metrics({**row, **routed}, step=done)
-                state.history.append({"step": done, **row})
+            row = log_row(run, window, step, factor, sample)
+            if run.rank == 0:
                 shown = {"loss": row["loss"], "kd": row["kd"], "budget": row["budget_loss"]}
-                bar.set_postfix({**{k: f"{v:.4f}" for k, v in shown.items()}, "tok/s": f"{rate:,.0f}"})
+                bar.set_postfix({**{k: f"{v:.4f}" for k, v in shown.items()}, "tok/s": f"{row['tokens_per_s']:,.0f}"})
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
-            row = {"step": float(done), "loss": last["loss"], "attempt": float(state.attempt)}
-            save_and_report(row, commit=done < cfg.steps)  # the final report is drained before fit() returns
+            save_and_report(run, window, commit=done < cfg.steps)  # the final report is drained before fit() returns
     bar.close()
 
-    if start_step >= cfg.steps:  # restored from a finished run: report the final state again
-        save_and_report({"step": float(state.next_step), "loss": last["loss"], "attempt": float(state.attempt)}, False)
+    if run.start_step >= cfg.steps:  # restored from a finished run: report the final state again
+        save_and_report(run, window, commit=False)

@@ -317,7 +317,7 @@ def export_nested(
     states, unless ``allow_off_target``. The write is atomic (see :func:`model.checkpoint.save_model`).
 
     This writes a model held in memory; the export stage streams a checkpoint folder tensor by
-    tensor instead (:func:`components.distill.stage.run_export`), with this function as its reference.
+    tensor instead (:func:`components.distill.export.run_export`), with this function as its reference.
     """
     section = nested_section(
         model.config, router_or_archs, budgets, space, depth_order, allow_off_target, tolerance, select

@@ -253,9 +253,9 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
 
     from components.distill import zero3
     from components.distill.draws import router_generator
-    from components.distill.worker import build_engine, build_student, build_teacher, elastic_loss
+    from components.distill.step import ElasticSpec, elastic_loss
+    from components.distill.worker import build_engine, build_student, build_teacher
     from model.checkpoint import read_config
-    from model.elastic.params import count_params
 
     cfg = DistillConfig(**base_config(parent_dir, tmp_path / "o", zero_stage=3, bf16=True, micro_batch_size=2))
     config = read_config(parent_dir)[0]
@@ -263,7 +263,7 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
     teacher = build_teacher(cfg, parent_dir, config, cpu, 1)
     assert zero3.is_partitioned(teacher.module.lm_head.weight)  # the teacher is its own ZeRO-3 engine
     tok = TextTokenizer.load(parent_dir)
-    full = count_params(config).active
+    spec = ElasticSpec.of(config, cfg.space, cfg.budget_set, kd_chunk_tokens=16)
 
     def engine():
         return build_engine(cfg, build_student(cfg, config, parent_dir, cpu, 1), 1, config)[0]
@@ -271,9 +271,8 @@ def test_checkpoint_round_trip_resumes_exactly(single_process_group, parent_dir,
     def step(eng, i: int) -> float:
         batch = make_data_batch(cfg.data, tok, batch_size=2, seq_len=32, seed=0, phase="resume", step=i)
         loss, *_ = elastic_loss(
-            eng, teacher, batch.input_ids, batch.loss_mask, cfg.budget_set, i % 3, i, 8,
-            router_generator(0, 1, i), 1.0, full, cfg.space, kd_chunk_tokens=16,
-        )  # fmt: skip
+            eng, teacher, spec, batch.input_ids, batch.loss_mask, i % 3, (i, 8), router_generator(0, 1, i)
+        )
         eng.backward(loss)
         eng.step()
         return loss.item()

@@ -16,9 +16,9 @@ import torch
 from components.data import TextTokenizer, build_demo_tokenizer, make_data_batch
 from components.distill import DistillConfig
 from components.distill.draws import draw_budget, router_generator
-from components.distill.worker import ElasticStudent, deepspeed_config, elastic_loss, param_groups
+from components.distill.step import ElasticSpec, ElasticStudent, elastic_loss
+from components.distill.worker import deepspeed_config, param_groups
 from model.config import HybridConfig
-from model.elastic.params import count_params
 from model.elastic.router import BudgetRouter
 from model.hybrid import HybridLM
 from tests.conftest import TINY
@@ -44,8 +44,8 @@ def test_one_update_mixes_the_budgets_of_its_micro_batches(single_process_group,
         grad_clip=0.01,  # small enough to clip: the reference must clip the accumulated gradient the same way
     )
     teacher = HybridLM.from_pretrained(parent_dir).requires_grad_(False)
-    counts = count_params(teacher.config)
     budgets = cfg.budget_set
+    spec = ElasticSpec.of(teacher.config, cfg.space, budgets, alpha=cfg.alpha)
     # step 6's two micro-batches draw different budgets (checked), so the update mixes them
     step = 6
     draws = [draw_budget(cfg.seed, 1, step, [0.5, 0.5], m) for m in range(2)]
@@ -57,9 +57,8 @@ def test_one_update_mixes_the_budgets_of_its_micro_batches(single_process_group,
 
     def micro_loss(model, m: int) -> torch.Tensor:
         loss, *_ = elastic_loss(
-            model, teacher, batches[m].input_ids, batches[m].loss_mask, budgets, draws[m], step, 10,
-            router_generator(cfg.seed, 1, step, m, rank=0), cfg.alpha, counts.active, cfg.space,
-            full_total=counts.total, hard=False,
+            model, teacher, spec, batches[m].input_ids, batches[m].loss_mask, draws[m], (step, 10),
+            router_generator(cfg.seed, 1, step, m, rank=0), hard=False,
         )  # fmt: skip
         return loss
 

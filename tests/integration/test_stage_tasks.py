@@ -20,7 +20,8 @@ import torch
 from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
 from components.distill.ckpt import STATE_FILE, TrainState
 from components.distill.config import DistillConfig
-from components.distill.stage import consolidate_output, run_export
+from components.distill.export import run_export
+from components.distill.stage import consolidate_output
 from components.progress import in_ray_task
 from components.rank import CalibrationConfig, RankConfig, run_rank
 from components.stage_task import RemoteTraceback, TaskResources, run_task

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 
 from components.data.answers import AnswerFormat
 from components.data.tokenizer import ReasoningMarkers, TextTokenizer, build_demo_tokenizer
-from components.eval_plots import accuracy_at, latency_for, pareto_front
+from components.eval_plots import accuracy_at, best_elastic_vs_standard, latency_for, pareto_front
 from components.eval_sets import EvalItem, thinking_prompt
-from components.evaluate import EvalConfig, PhaseResult, best_elastic_vs_standard, problem_sets, run_evaluate, score
+from components.evaluate import EvalConfig, PhaseResult, problem_sets, run_evaluate, score
 from components.tracking import Tracker
 from model.config import HybridConfig
 from model.elastic import Architecture, ElasticSpace, count_params

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from components.distill.stage import DISTILL_FILE, run_export
+from components.distill.export import run_export
+from components.distill.stage import DISTILL_FILE
 from model.checkpoint import CheckpointError, save_model, verify_manifest
 from model.config import HybridConfig
 from model.elastic import ElasticSpace

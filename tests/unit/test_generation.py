@@ -11,7 +11,6 @@ from model.generate import (
     SamplingParams,
     decode_rows,
     generate,
-    generate_bucket,
     rewind,
     truncate_at_stop,
 )
@@ -97,13 +96,6 @@ def test_bad_inputs(model):
     with pytest.raises(ValueError, match="stop strings"):
         SamplingParams(stop=("",))
     assert generate(model, [[5]], SamplingParams(max_new_tokens=0)) == ([[]], [False])
-
-
-def test_generate_bucket_keeps_its_signature(model):
-    prompts = _prompts([6, 6])
-    a, _ = generate_bucket(model, torch.tensor(prompts), SamplingParams(max_new_tokens=5))
-    b, _ = generate(model, prompts, SamplingParams(max_new_tokens=5))
-    assert a == b
 
 
 def test_resuming_from_a_saved_state_equals_decoding_through(model):

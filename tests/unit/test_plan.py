@@ -195,21 +195,20 @@ def test_gpus_override_world_and_json_round_trip():
     }
 
 
-def test_log_plan_into_the_active_mlflow_run(tmp_path):
-    import mlflow
+def test_log_plan_into_an_mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from components.tracking import make_tracker
 
     plan = make_plan(MLP3, [_phase(3)], PlanHardware())
-    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    mlflow.set_experiment("plan-test")
-    with pytest.raises(RuntimeError, match="no active MLflow run"):
-        log_plan(plan)
-    with mlflow.start_run() as run:
-        log_plan(plan)
-    client = mlflow.tracking.MlflowClient()
-    metrics = client.get_run(run.info.run_id).data.metrics
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with make_tracker(uri, "plan-test", run_name="plan") as tracker:
+        log_plan(plan, tracker)
+    client = MlflowClient(tracking_uri=uri)
+    metrics = client.get_run(tracker.run_id).data.metrics
     assert metrics["plan.p.optimizer_state_gb"] == pytest.approx(240 * 12 / 4 / 1e9)
     assert metrics["plan.fits"] == 1.0
-    local = client.download_artifacts(run.info.run_id, "plan.json", str(tmp_path))
+    local = client.download_artifacts(tracker.run_id, "plan.json", str(tmp_path))
     assert json.loads(Path(local).read_text())["phases"][0]["name"] == "p"
 
 
