@@ -52,12 +52,13 @@ ANSWER_SCHEMA = {
 
 def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
     """A random-weight nested checkpoint with ``budgets`` and the demo character tokenizer (with its chat template)."""
-    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer, tokenizer_files
+    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
     from model.config import HybridConfig
     from model.elastic import ElasticSpace, count_params
     from model.elastic.budgets import BudgetSet
     from model.elastic.export import export_nested
     from model.hybrid import HybridLM
+    from model.layout import tokenizer_files
 
     tok = TextTokenizer(build_demo_tokenizer())
     fields = {**fields, "vocab_size": tok.vocab_size} if vocab_from_tokenizer else dict(fields)

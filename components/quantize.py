@@ -171,7 +171,7 @@ def calibration_batches(folder: Path, vocab_size: int, cfg: QuantCalibrationConf
     """
     from components.data import make_data_batch
     from components.data.checks import check_data
-    from model.elastic.export import tokenizer_files
+    from model.layout import tokenizer_files
 
     if tokenizer_files(folder):
         tok = check_data(cfg.data, folder, cfg.markers, vocab_size, "quantize.calibration.data")

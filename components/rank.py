@@ -223,9 +223,9 @@ def rank_and_permute(config: RankConfig, acc_state: dict[str, Any], device: str)
     """
     from components.storage import materialize
     from model.elastic.depth import depth_ranking
-    from model.elastic.export import tokenizer_files
     from model.elastic.permute import apply_rankings
     from model.hybrid import HybridLM
+    from model.layout import tokenizer_files
 
     cal = config.calibration
     parent_dir = materialize(config.parent_uri)

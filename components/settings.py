@@ -3,7 +3,8 @@
 The variables (read when a caller asks, into a frozen :class:`Settings` that is passed on as values):
 
 * the MLflow store: ``MLFLOW_TRACKING_URI`` and ``MLFLOW_REGISTRY_URI``;
-* the download cache: ``STAR_ELASTIC_CACHE`` (default ``~/.cache/star-elastic``);
+* the download cache: ``STAR_ELASTIC_CACHE`` (default ``~/.cache/star-elastic``), by the model layer's rule
+  (:func:`model.cache_folder.cache_folder`: the model keeps a cache there too and imports nothing from here);
 * S3: the endpoint (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``), the credentials
   (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``), the region
   (``AWS_DEFAULT_REGION``, else ``AWS_REGION``), the retries (``AWS_RETRY_MODE``, ``AWS_MAX_ATTEMPTS``)
@@ -41,18 +42,15 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from model.cache_folder import cache_folder, default_cache_folder
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-CACHE_ENV = "STAR_ELASTIC_CACHE"
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 REGISTRY_ENV = "MLFLOW_REGISTRY_URI"
 CHECKSUM_ENV = ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION")
 """Variables the AWS SDKs read for the checksums of S3 requests (there is no pyarrow argument for them)."""
-
-
-def _default_cache() -> Path:
-    return Path.home() / ".cache" / "star-elastic"
 
 
 class S3Settings(BaseModel):
@@ -90,7 +88,7 @@ class Settings(BaseModel):
 
     mlflow_tracking_uri: str | None = Field(None, description="MLFLOW_TRACKING_URI.")
     mlflow_registry_uri: str | None = Field(None, description="MLFLOW_REGISTRY_URI.")
-    cache_dir: Path = Field(default_factory=_default_cache, description="STAR_ELASTIC_CACHE.")
+    cache_dir: Path = Field(default_factory=default_cache_folder, description="STAR_ELASTIC_CACHE.")
     s3: S3Settings = Field(default_factory=S3Settings, description="S3 endpoint, credentials and retries.")
 
 
@@ -122,11 +120,10 @@ def from_environment(environ: Mapping[str, str] | None = None) -> Settings:
         request_checksum_calculation=get(CHECKSUM_ENV[0]),
         response_checksum_validation=get(CHECKSUM_ENV[1]),
     )
-    cache = get(CACHE_ENV)
     return Settings(
         mlflow_tracking_uri=get(TRACKING_ENV),
         mlflow_registry_uri=get(REGISTRY_ENV),
-        cache_dir=Path(cache) if cache else _default_cache(),
+        cache_dir=cache_folder(env),
         s3=s3,
     )
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -317,9 +317,26 @@ class CheckpointInfo:
         stacked, a tied head filled from the embeddings); :meth:`~model.hybrid.HybridLM.check_checkpoint`
         checks them against the config."""
         state = to_canonical({k: v for k, v in self.tensors.items() if not k.startswith(_MTP_PREFIX)})
-        if "lm_head.weight" not in state and self.raw.get("tie_word_embeddings") and "model.embeddings.weight" in state:
+        if tied_head(state, self.raw, self.folder, strict=False):  # untied: check_state names the missing head
             state["lm_head.weight"] = state["model.embeddings.weight"]
         return state
+
+
+def tied_head(keys: Collection[str], raw: Mapping[str, Any], folder: str | Path, *, strict: bool) -> bool:
+    """Whether a folder's ``lm_head.weight`` is to be filled from its ``model.embeddings.weight``: the head absent
+    from ``keys`` (the model's names of the stored tensors), the embedding present and ``raw`` (its config.json)
+    setting ``tie_word_embeddings``. A head absent and not tied is False, or with ``strict`` a
+    :class:`CheckpointError` naming the fix. Every reader of a checkpoint decides by this rule."""
+    if "lm_head.weight" in keys or "model.embeddings.weight" not in keys:
+        return False
+    if raw.get("tie_word_embeddings"):
+        return True
+    if strict:
+        raise CheckpointError(
+            f"{folder}: no lm_head.weight in the files and {CONFIG_NAME} does not set tie_word_embeddings; "
+            "set it to true if the model ties its output layer to the embedding, or add the tensor"
+        )
+    return False
 
 
 def inspect_checkpoint(folder: str | Path, verify: bool = True) -> CheckpointInfo:
@@ -401,12 +418,7 @@ def load_state(path: str | Path, expected: Mapping[str, Tensor], dtype: torch.dt
     _, raw = read_config(folder)
     verify_manifest(folder)
     tensors = _read_state(folder, expected, dtype)
-    if "lm_head.weight" not in tensors and "model.embeddings.weight" in tensors:
-        if not raw.get("tie_word_embeddings"):
-            raise CheckpointError(
-                f"{folder}: no lm_head.weight in the files and {CONFIG_NAME} does not set tie_word_embeddings; "
-                "set it to true if the model ties its output layer to the embedding, or add the tensor"
-            )
+    if tied_head(tensors, raw, folder, strict=True):
         # A tied checkpoint stores the matrix once. Our lm_head is a separate parameter (training may move it
         # away from the embedding), so it starts as a copy and the config is written back untied.
         tensors["lm_head.weight"] = tensors["model.embeddings.weight"].clone()

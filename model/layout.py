@@ -76,6 +76,13 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 """``(name, shape, dtype)`` of one tensor under the model's name."""
 
 
+def tokenizer_files(folder: str | Path) -> dict[str, Path]:
+    """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder``, in that order: what a stage or an
+    extracted budget copies next to its weights (the ``extra_files`` of the checkpoint writers)."""
+    root = Path(folder)
+    return {name: root / name for name in TOKENIZER_FILES if (root / name).is_file()}
+
+
 def parse_shard_size(size: int | str) -> int:
     """Bytes of ``size``: an int, or ``"<number><KB|MB|GB|TB>"`` (decimal units, as transformers reads them)."""
     if isinstance(size, int):

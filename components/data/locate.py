@@ -1,8 +1,8 @@
 """Where a files source's data is: local files, folders, globs and ``s3://`` URIs.
 
 ``s3://`` objects (globs allowed in the key, or a prefix standing for a folder) are downloaded once
-through boto3 (:func:`components.storage.s3_client`) into the local cache (``$STAR_ELASTIC_CACHE``,
-default ``~/.cache/star-elastic``) and read from there like local files; an object is downloaded
+through boto3 (:func:`components.storage.s3_client`) into the local cache
+(:func:`components.settings.cache_dir`) and read from there like local files; an object is downloaded
 again only when its ETag or size changes.
 """
 
@@ -17,17 +17,11 @@ from pathlib import Path
 
 from components.settings import cache_dir as settings_cache_dir
 
-__all__ = ["builder_for", "cache_root", "resolve_files"]
+__all__ = ["builder_for", "resolve_files"]
 
 #: File suffix -> the ``datasets`` builder that reads it (``.gz`` compressed files too).
 SUFFIX_BUILDER = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _GLOB_CHARS = re.compile(r"[*?\[]")
-
-
-def cache_root(cache_dir: str | None) -> Path:
-    """The local cache folder: ``cache_dir``, else ``$STAR_ELASTIC_CACHE``, else ``~/.cache/star-elastic``
-    (:func:`components.settings.cache_dir`)."""
-    return settings_cache_dir(cache_dir)
 
 
 def _fetch_s3(pattern: str, cache_dir: str | None) -> list[Path]:
@@ -52,7 +46,7 @@ def _fetch_s3(pattern: str, cache_dir: str | None) -> list[Path]:
             )
             if not wanted or Path(key).suffix.lower() not in (*SUFFIX_BUILDER, ".gz"):
                 continue
-            dest = cache_root(cache_dir) / "data" / bucket / key
+            dest = settings_cache_dir(cache_dir) / "data" / bucket / key
             stamp = dest.with_name(dest.name + ".etag")
             etag = f"{obj.get('ETag', '')}:{obj['Size']}"
             if not (dest.is_file() and stamp.is_file() and stamp.read_text() == etag):

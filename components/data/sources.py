@@ -21,9 +21,10 @@ from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from components.data.locate import builder_for, cache_root, resolve_files
+from components.data.locate import builder_for, resolve_files
 from components.data.reasoning import ANSWER_PREFIX, Problem, ProblemConfig, derive_seed, generate_problems
 from components.data.render import Row
+from components.settings import cache_dir as settings_cache_dir
 
 __all__ = [
     "BoundedCache",
@@ -305,7 +306,7 @@ def _load_file(path: Path, source: FilesSource, cache_dir: str | None) -> Any:
     datasets.disable_progress_bars()
     builder = builder_for(path)
     # The Arrow copies datasets makes of the files live next to the s3 downloads, not in ~/.cache/huggingface.
-    arrow_cache = str(cache_root(cache_dir) / "datasets")
+    arrow_cache = str(settings_cache_dir(cache_dir) / "datasets")
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split=source.split, cache_dir=arrow_cache)
     except Exception as err:  # datasets raises many types; the file and the cause are what matter

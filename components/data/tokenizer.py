@@ -28,18 +28,15 @@ except ImportError:  # another transformers layout: the reference path alone is 
     _compile_jinja_template = None
 
 from components.data.reasoning import BOS, EOS, PAD, THINK_CLOSE, THINK_OPEN, UNK
-from model.layout import TOKENIZER_FILES  # the tokenizer's files are part of the checkpoint layout
 
 __all__ = [
     "CONFIG_FILE",
     "DEMO_CHAT_TEMPLATE",
     "GENERATION_CONFIG_FILE",
     "TOKENIZER_FILE",
-    "TOKENIZER_FILES",
     "ReasoningMarkers",
     "TextTokenizer",
     "build_demo_tokenizer",
-    "tokenizer_files",
 ]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -111,12 +108,6 @@ def build_demo_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=DEMO_CHAT_TEMPLATE,
         clean_up_tokenization_spaces=False,
     )
-
-
-def tokenizer_files(directory: str | Path) -> list[Path]:
-    """The :data:`TOKENIZER_FILES` present in ``directory`` (what a stage copies next to its weights)."""
-    folder = Path(directory)
-    return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
 def _generation_eos_ids(directory: Path) -> list[int]:

@@ -103,8 +103,8 @@ def run_export(
     """
     from model.atomic import publish_folder
     from model.checkpoint import CONFIG_NAME, read_config, verify_manifest, write_manifest
-    from model.elastic.export import nested_section, tokenizer_files
-    from model.layout import write_weights
+    from model.elastic.export import nested_section
+    from model.layout import tokenizer_files, write_weights
 
     src = Path(distill_output_dir)
     meta_path = src / DISTILL_FILE

@@ -133,7 +133,7 @@ def write_output(
     """
     from model.atomic import publish_folder
     from model.checkpoint import CONFIG_NAME, write_manifest
-    from model.elastic.export import tokenizer_files
+    from model.layout import tokenizer_files
 
     state = ckpt.read_state(checkpoint_dir)
     dtype = torch.bfloat16 if config.bf16 else torch.float32

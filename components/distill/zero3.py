@@ -44,6 +44,7 @@ from model.checkpoint import (
     iter_views,
     loaded_dtype,
     read_config,
+    tied_head,
     verify_manifest,
 )
 from model.config import HybridConfig
@@ -216,7 +217,7 @@ def iter_canonical(
             embedding_key = file_key
         seen.add(key)
         yield key, view.to(loaded_dtype(key, view, dtype), copy=True)
-    if "lm_head.weight" in shapes and "lm_head.weight" not in seen and embedding_key and raw.get("tie_word_embeddings"):
+    if "lm_head.weight" in shapes and tied_head(seen, raw, folder, strict=False):  # untied: named missing below
         for key, view in iter_views(folder):  # tied: lm_head starts as a copy of the embedding (as load_model does)
             if key == embedding_key:
                 seen.add("lm_head.weight")

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components.data.tokenizer import ReasoningMarkers
+from components.serving.request_models import ReasoningEffort  # the wire format's values, mapped here
 
 DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
 DEPLOYMENT_NAME = "StarElasticServer"
@@ -83,9 +84,6 @@ class AutoscalingSettings(BaseModel):
     def serve_config(self) -> dict[str, Any]:
         """Serve's ``autoscaling_config``: every field set, the optional ones only when given."""
         return self.model_dump(exclude_none=True)
-
-
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
 
 class EffortSetting(BaseModel):

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.cache_folder import cache_folder
+
 CANDIDATES = ("weight", "transposed", "onednn")
 MARGIN = 0.10
 """A copy is kept only when its kernel measured at least this fraction faster than the weight itself: closer
@@ -69,9 +71,8 @@ def machine_key() -> str:
 
 
 def default_cache_file() -> Path:
-    """``$STAR_ELASTIC_CACHE/decode-kernels.json`` (``~/.cache/star-elastic`` by default)."""
-    root = os.environ.get("STAR_ELASTIC_CACHE") or Path.home() / ".cache" / "star-elastic"
-    return Path(root) / "decode-kernels.json"
+    """``decode-kernels.json`` in the project's cache folder (:func:`model.cache_folder.cache_folder`)."""
+    return cache_folder() / "decode-kernels.json"
 
 
 # ---------------------------------------------------------------------- a prepared projection

@@ -57,7 +57,7 @@ from model.elastic.router import BudgetRouter
 from model.elastic.slicing import extract, extract_config
 from model.elastic.space import ElasticSpace
 from model.hybrid import HybridLM
-from model.layout import DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES
+from model.layout import DEFAULT_MAX_SHARD_SIZE, tokenizer_files
 
 FORMAT_VERSION = 1
 
@@ -380,12 +380,6 @@ def read_elastic(path: str | Path) -> ElasticInfo:
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def tokenizer_files(folder: str | Path) -> dict[str, Path]:
-    """``{name: path}`` of the :data:`TOKENIZER_FILES` present in ``folder``."""
-    f = Path(folder)
-    return {name: f / name for name in TOKENIZER_FILES if (f / name).is_file()}
 
 
 def load_budget_model(checkpoint_dir: str | Path, budget_name: str, dtype=None) -> HybridLM:

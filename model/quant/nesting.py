@@ -374,7 +374,7 @@ def extract_quantized_budget(
     and a manifest; it loads with :func:`~model.quant.checkpoint.load_quantized_model` and computes
     what the quantized nested model computes under the budget's hard mask.
     """
-    from model.elastic.export import tokenizer_files
+    from model.layout import tokenizer_files
 
     from .checkpoint import HF_QUANT_CONFIG
     from .modelopt import hf_quant_config, quantization_config_of

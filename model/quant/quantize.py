@@ -106,7 +106,7 @@ def quantize_checkpoint(
             model.to("cpu")  # quantized and written on the CPU whatever the calibration device
     quantize_model(model, fmt, preset_obj, amax)
     hf = hf_quant_config(fmt, [file_module_name(n) for n in kept_dense_names(model)], preset_obj.kv_cache)
-    from model.elastic.export import tokenizer_files
+    from model.layout import tokenizer_files
 
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if dense_dtype is not None:

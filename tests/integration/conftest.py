@@ -39,12 +39,13 @@ def build_tiny_nested_checkpoint(out_dir, seed: int = 0):
     """
     from pathlib import Path
 
-    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer, tokenizer_files
+    from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
     from model.config import HybridConfig
     from model.elastic import Architecture, ElasticSpace, count_params
     from model.elastic.budgets import BudgetSet
     from model.elastic.export import export_nested
     from model.hybrid import HybridLM
+    from model.layout import tokenizer_files
 
     out = Path(out_dir)
     tok = TextTokenizer(build_demo_tokenizer())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.checkpoint import WEIGHTS_NAME, CheckpointError, inspect_checkpoint, save_model
+from model.checkpoint import WEIGHTS_NAME, CheckpointError, inspect_checkpoint, save_model, tied_head
 from model.config import HybridConfig
 from model.hybrid import HybridLM
 from tests.conftest import TINY
@@ -67,3 +67,28 @@ def test_altered_files_and_wrong_tensors_are_named(model, tmp_path):
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         inspect_checkpoint(folder, verify=False)
     assert torch.tensor(0).dim() == 0  # torch imported for the fixture's model
+
+
+def test_a_tied_head_is_read_from_the_embedding_by_one_rule(model, tmp_path):
+    folder = save_model(model, tmp_path / "tied")
+    state = load_file(str(folder / WEIGHTS_NAME))
+    del state["lm_head.weight"]  # a tied writer stores the matrix once
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": True}))
+    info = inspect_checkpoint(folder, verify=False)
+    assert "lm_head.weight" in info.dense_state()
+    assert HybridLM.check_checkpoint(info) == model.num_parameters()
+    (folder / "config.json").write_text(json.dumps({**raw, "tie_word_embeddings": False}))
+    info = inspect_checkpoint(folder, verify=False)
+    with pytest.raises(CheckpointError, match=r"missing tensors.*lm_head"):  # inspecting names what is missing
+        HybridLM.check_checkpoint(info)
+    with pytest.raises(CheckpointError, match="set it to true if the model ties"):  # loading names the fix
+        tied_head(info.dense_state(), info.raw, folder, strict=True)
+    keys = {"model.embeddings.weight"}
+    assert tied_head(keys, {"tie_word_embeddings": True}, folder, strict=True)
+    assert not tied_head(keys | {"lm_head.weight"}, {"tie_word_embeddings": True}, folder, strict=True)
+    assert not tied_head(set(), {"tie_word_embeddings": False}, folder, strict=True)  # no embedding: nothing to tie
+    assert not tied_head(keys, {}, folder, strict=False)

@@ -10,6 +10,7 @@ import mlflow
 import pytest
 
 from components.settings import MlflowStore, S3Settings, cache_dir, from_environment, mlflow_store
+from model.decode.kernels import default_cache_file
 from pipelines.config import load_pipeline_config
 
 DEMO = Path(__file__).resolve().parents[2] / "pipelines" / "configs" / "demo.yaml"
@@ -48,8 +49,12 @@ def test_the_cache_folder_rule(monkeypatch):
     monkeypatch.setenv("STAR_ELASTIC_CACHE", "/from/env")
     assert cache_dir("/explicit") == Path("/explicit")
     assert cache_dir() == Path("/from/env")
+    assert default_cache_file() == Path("/from/env/decode-kernels.json")  # the model layer's cache, same folder
+    monkeypatch.setenv("STAR_ELASTIC_CACHE", "")  # empty: unset
+    assert cache_dir() == Path.home() / ".cache" / "star-elastic"
     monkeypatch.delenv("STAR_ELASTIC_CACHE")
     assert cache_dir() == Path.home() / ".cache" / "star-elastic"
+    assert default_cache_file().parent == cache_dir()
 
 
 def test_an_explicit_store_wins_over_the_environment_which_wins_over_the_default():

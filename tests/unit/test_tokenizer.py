@@ -18,8 +18,8 @@ from components.data.tokenizer import (
     ReasoningMarkers,
     TextTokenizer,
     build_demo_tokenizer,
-    tokenizer_files,
 )
+from model.layout import tokenizer_files
 from tests.unit.data_tokenizers import chatml_bpe
 
 DEMO_PARENT = Path(__file__).resolve().parents[2] / "pipelines" / "assets" / "demo-parent"
@@ -105,7 +105,7 @@ def test_shipped_demo_parent_tokenizer_is_the_demo_tokenizer(demo: TextTokenizer
 
 def test_save_load_keeps_ids_template_and_stop_ids(demo: TextTokenizer, tmp_path: Path) -> None:
     demo.save(tmp_path / "a")
-    assert {p.name for p in tokenizer_files(tmp_path / "a")} >= {"tokenizer.json", "tokenizer_config.json"}
+    assert set(tokenizer_files(tmp_path / "a")) >= {"tokenizer.json", "tokenizer_config.json"}
     (tmp_path / "a" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     loaded = TextTokenizer.load(tmp_path / "a")
     assert loaded.stop_ids == (2, 5)
