@@ -5,7 +5,8 @@ top-2 and a shared expert, ~115M parameters, three budgets, random weights): one
 once, quantized once to FP8 and once to NVFP4 (weight-only, the default preset), each loaded as serving loads
 it (:meth:`BudgetRegistry.from_checkpoint <model.decode.budget_view.BudgetRegistry.from_checkpoint>`: dense
 budgets are views of one parent copy, quantized ones their own slice of the quantized tensors, dequantized
-per step as serving's default ``cache_dequantized: false`` does).
+per step as serving's default ``cache_dequantized: false`` does; ``fp8-cached`` / ``nvfp4-cached``: the same
+checkpoint with ``cache_dequantized: true``, each budget keeping dense copies of the weights it has used).
 
 Per format and batch size, every budget's cached decode step after a ``--prompt``-token prefill of every row:
 the budgets alternate in ``--rounds`` rounds (order reversed every other round, a fresh prefill each time,
@@ -32,6 +33,8 @@ from model.elastic.export import export_nested
 from model.hybrid import HybridLM
 
 FORMATS = ("f32", "fp8", "nvfp4")
+CACHED = "-cached"
+"""Suffix of a quantized format served with ``cache_dequantized`` on (``fp8-cached``)."""
 
 
 def build_family(work: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
@@ -91,13 +94,14 @@ def time_budgets(registry: BudgetRegistry, rows: int, args) -> dict[str, list[fl
 
 def run_family(args, work: Path) -> list[dict[str, Any]]:
     """Rows (format, batch, budget) with step time, tokens/s, speedup over full and the parameter ratio."""
-    paths = build_family(work, tuple(args.family_formats))
+    paths = build_family(work, tuple(dict.fromkeys(f.removesuffix(CACHED) for f in args.family_formats)))
     config = HybridConfig(**PARENT)
     archs = {name: Architecture(**kw) for name, kw in BUDGETS.items()}
     full_active = count_params(config).active
     rows = []
     for fmt in args.family_formats:
-        registry = BudgetRegistry.from_checkpoint(paths[fmt])
+        cached = fmt.endswith(CACHED)
+        registry = BudgetRegistry.from_checkpoint(paths[fmt.removesuffix(CACHED)], cache_dequantized=cached)
         for batch in args.batches:
             start = time.perf_counter()
             steps = time_budgets(registry, batch, args)

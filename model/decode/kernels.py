@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -38,12 +37,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache_folder import cache_folder
+from model.decode.split_linear import ColSplitLinear, RowSplitLinear
 
 CANDIDATES = ("weight", "transposed", "onednn")
 MARGIN = 0.10
 """A copy is kept only when its kernel measured at least this fraction faster than the weight itself: closer
 calls are noise, and a copy costs memory."""
 DEFAULT_MAX_COPY_BYTES = 4 << 30
+MEASUREMENT = "interleaved-best-v2"
+"""How the cached times were measured (part of the cache key): times taken another way are measured again."""
 PREPARED = "_decode_prepared"
 """The ``module.__dict__`` key of a projection's prepared copy (read without ``nn.Module`` attribute lookup)."""
 
@@ -67,7 +69,7 @@ def machine_key() -> str:
                 break
     except OSError:
         pass
-    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    return f"{model} | torch {torch.__version__} | {torch.get_num_threads()} threads | {MEASUREMENT}"
 
 
 def default_cache_file() -> Path:
@@ -84,9 +86,34 @@ class Prepared:
     tensor: Tensor
     source: tuple[int, int]
     nbytes: int
+    bias: Tensor | None = None
+    """A split projection's biases joined (its runs' biases are views of one parent bias); None for a plain
+    ``nn.Linear``, whose own bias parameter is read at every call."""
 
     def fresh(self, weight: Tensor) -> bool:
         return (weight.data_ptr(), weight._version) == self.source
+
+
+def source_weight(module: nn.Module) -> Tensor:
+    """The tensor whose (data pointer, version) tells whether a copy of ``module``'s weight is fresh: the
+    weight, or a split projection's first run (every run is a view of one parent weight, and views share
+    their base's version counter)."""
+    if type(module) is RowSplitLinear:
+        return module.runs[0][0]
+    if type(module) is ColSplitLinear:
+        return module.runs[0]
+    return module._parameters["weight"]
+
+
+def joined_weight(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """A split projection as one (out, in) outputs-major weight and its bias (copies): the runs' rows (or
+    columns) side by side, in the order the split computes them."""
+    if type(module) is RowSplitLinear:
+        weights = [w.detach() for w, _ in module.runs]
+        biases = [b.detach() for _, b in module.runs if b is not None]
+        return torch.cat(weights, 0), torch.cat(biases) if biases else None
+    weights = [w.detach() for w in module.runs]
+    return torch.cat(weights, 1), None if module.bias is None else module.bias.detach()
 
 
 def make_copy(kind: str, weight: Tensor) -> Tensor:
@@ -119,30 +146,43 @@ def prepared_linear(module: nn.Module, x: Tensor, residual: Tensor | None) -> Te
     prepared: Prepared | None = module.__dict__.get(PREPARED)
     if prepared is None:
         return None
-    params = module._parameters
-    weight = params["weight"]
+    split = type(module) is not nn.Linear
+    weight = source_weight(module) if split else module._parameters["weight"]
     if not prepared.fresh(weight) or x.dtype != weight.dtype:
         del module.__dict__[PREPARED]
         return None
-    return run_copy(prepared.kind, x, prepared.tensor, params["bias"], residual)
+    bias = prepared.bias if split else module._parameters["bias"]
+    return run_copy(prepared.kind, x, prepared.tensor, bias, residual)
 
 
 # ---------------------------------------------------------------------- measuring
-def _median_time(fn: Callable[[], object], min_s: float = 0.004, rounds: int = 5) -> float:
-    """Median seconds per call of ``fn`` over ``rounds`` batches of calls, each at least ``min_s`` long."""
+def _calls_per_batch(fn: Callable[[], object], min_s: float) -> int:
+    """How many calls of ``fn`` take at least ``min_s`` (after a few warm-up calls)."""
     for _ in range(3):
         fn()
     start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < min_s:
         fn()
         calls += 1
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t) / calls)
-    return statistics.median(times)
+    return max(calls, 1)
+
+
+def _interleaved_best(fns: dict[str, Callable[[], object]], min_s: float = 0.004, rounds: int = 7) -> dict[str, float]:
+    """Seconds per call of each function: the fastest of ``rounds`` batches, the functions taking turns
+    batch by batch (the order rotated each round). Another process on the machine only ever adds time, and it
+    adds it to every candidate alike, so a burst of load can no longer crown the wrong kernel for good (the
+    result is cached per machine)."""
+    calls = {k: _calls_per_batch(fn, min_s) for k, fn in fns.items()}
+    best = dict.fromkeys(fns, float("inf"))
+    names = list(fns)
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            fn, n = fns[k], calls[k]
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t) / n)
+    return best
 
 
 COLD_BYTES = 64 << 20
@@ -152,7 +192,8 @@ step (which reads every weight of the model once), the weights come from memory 
 
 def measure(out: int, inn: int, dtype: torch.dtype, device: torch.device, source: str) -> dict[str, float]:
     """Microseconds per batch-1 call of each candidate for a weight (out, in) stored in ``source`` order,
-    cycling through enough distinct weights to leave the caches (:data:`COLD_BYTES`)."""
+    cycling through enough distinct weights to leave the caches (:data:`COLD_BYTES`); the candidates are
+    timed in turns (:func:`_interleaved_best`)."""
     count = max(1, min(256, -(-COLD_BYTES // (out * inn * torch.finfo(dtype).bits // 8))))
     weights = []
     for _ in range(count):
@@ -160,21 +201,21 @@ def measure(out: int, inn: int, dtype: torch.dtype, device: torch.device, source
         weights.append(w.t().contiguous().t() if source == "in_out" else w)
     x = torch.randn(1, inn, device=device).to(dtype)
     kinds = [k for k in CANDIDATES if k != "onednn" or _mkldnn_ok(device, dtype)]
-    result = {}
     with torch.inference_mode():
-        for kind in kinds:
-            copies = weights if kind == "weight" else [make_copy(kind, w) for w in weights]
+        copies = {k: weights if k == "weight" else [make_copy(k, w) for w in weights] for k in kinds}
 
-            def calls(copies: list[Tensor] = copies, kind: str = kind) -> None:
-                for c in copies:
+        def calls(kind: str) -> Callable[[], None]:
+            def run() -> None:
+                for c in copies[kind]:
                     if kind == "weight":
                         F.linear(x, c)
                     else:
                         run_copy(kind, x, c, None, None)
 
-            result[kind] = _median_time(calls) / count * 1e6
-            del copies
-    return result
+            return run
+
+        best = _interleaved_best({k: calls(k) for k in kinds})
+    return {k: t / count * 1e6 for k, t in best.items()}
 
 
 @dataclass
@@ -211,13 +252,16 @@ class KernelTable:
 
     def times(self, weight: Tensor) -> dict[str, float]:
         """Microseconds per call of each candidate for this weight's shape, dtype, device and order."""
+        out, inn = weight.shape
+        return self.times_for(out, inn, weight.dtype, weight.device, layout(weight))
+
+    def times_for(self, out: int, inn: int, dtype: torch.dtype, device: torch.device, source: str) -> dict[str, float]:
+        """Microseconds per call of each candidate for a weight (out, in) stored in ``source`` order."""
         if not self.loaded:
             self._load()
-        out, inn = weight.shape
-        source = layout(weight)
-        key = f"{out}x{inn} {str(weight.dtype).removeprefix('torch.')} {weight.device.type} {source}"
+        key = f"{out}x{inn} {str(dtype).removeprefix('torch.')} {device.type} {source}"
         if key not in self.entries:
-            self.entries[key] = measure(out, inn, weight.dtype, weight.device, source)
+            self.entries[key] = measure(out, inn, dtype, device, source)
             self._save()
         return self.entries[key]
 
@@ -251,15 +295,22 @@ class PrepareReport:
         return f"decode projections: {parts}; {mib:.1f} MiB of copies ({self.seconds:.2f}s)"
 
 
-def projections(model: nn.Module) -> list[nn.Linear]:
-    """The plain ``nn.Linear`` modules of ``model`` (each once), in module order. (A hooked one is called as a
-    module by the decode step and never reads its copy.)"""
+def projections(model: nn.Module) -> list[nn.Module]:
+    """The plain ``nn.Linear`` modules of ``model`` and its split projections (:mod:`model.decode.split_linear`,
+    a budget's view of a parent projection in several runs), each once, in module order. (A hooked one is
+    called as a module by the decode step and never reads its copy.)"""
     seen, out = set(), []
     for m in model.modules():
-        if type(m) is nn.Linear and id(m) not in seen and m.weight.dim() == 2:
+        kind = type(m)
+        plain = kind is nn.Linear and m.weight.dim() == 2
+        if (plain or kind in (RowSplitLinear, ColSplitLinear)) and id(m) not in seen:
             seen.add(id(m))
             out.append(m)
     return out
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    return (module.out_features, module.in_features)
 
 
 def prepare_decode_linears(
@@ -279,7 +330,7 @@ def prepare_decode_linears(
     wanted: list[tuple[float, nn.Linear, str, int]] = []
     used = 0
     for m in projections(model) if max_copy_bytes > 0 else []:
-        weight = m.weight
+        weight = source_weight(m)
         if weight.device.type != "cpu":  # measured for CPU kernels; CUDA's GEMV is cuBLAS's either way
             continue
         current: Prepared | None = m.__dict__.get(PREPARED)
@@ -288,22 +339,30 @@ def prepare_decode_linears(
             report.kernels[current.kind] = report.kernels.get(current.kind, 0) + 1
             continue
         m.__dict__.pop(PREPARED, None)
-        times = table.times(weight)
+        out_f, in_f = _shape(m)
+        split = type(m) is not nn.Linear
+        # A split projection runs one GEMM per run on strided views of an inputs-major parent: never faster
+        # than one GEMM on the whole inputs-major matrix, whose time stands for it here.
+        times = table.times_for(out_f, in_f, weight.dtype, weight.device, "in_out" if split else layout(weight))
         best = min(times, key=times.__getitem__)
         if best == "weight" or times[best] > (1 - MARGIN) * times["weight"]:
             report.kernels["weight"] = report.kernels.get("weight", 0) + 1
             continue
-        nbytes = weight.numel() * weight.element_size()
+        nbytes = out_f * in_f * weight.element_size()
         wanted.append(((times["weight"] - times[best]) / nbytes, m, best, nbytes))
     for _, m, kind, nbytes in sorted(wanted, key=lambda t: -t[0]):
         if used + nbytes > max_copy_bytes:
             report.skipped_for_memory += 1
             report.kernels["weight"] = report.kernels.get("weight", 0) + 1
             continue
-        weight = m.weight
+        weight, bias = source_weight(m), None
         with torch.no_grad():
-            copy = make_copy(kind, weight)
-        m.__dict__[PREPARED] = Prepared(kind, copy, (weight.data_ptr(), weight._version), nbytes)
+            if type(m) is nn.Linear:
+                copy = make_copy(kind, weight)
+            else:  # the joined matrix is outputs-major: "transposed" (of the inputs-major views) is itself
+                joined, bias = joined_weight(m)
+                copy = joined if kind == "transposed" else make_copy(kind, joined)
+        m.__dict__[PREPARED] = Prepared(kind, copy, (weight.data_ptr(), weight._version), nbytes, bias)
         used += nbytes
         report.copied_bytes += nbytes
         report.kernels[kind] = report.kernels.get(kind, 0) + 1

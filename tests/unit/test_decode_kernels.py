@@ -39,7 +39,7 @@ class ForcedTable(KernelTable):
         super().__init__(None)
         self.kind = kind
 
-    def times(self, weight: torch.Tensor) -> dict[str, float]:
+    def times_for(self, out, inn, dtype, device, source) -> dict[str, float]:
         return {k: (1.0 if k == self.kind else 2.0) for k in CANDIDATES}
 
 
@@ -136,7 +136,7 @@ def test_no_copy_when_the_weight_itself_is_fastest_or_the_gain_is_noise():
     assert prepare_decode_linears(m, ForcedTable("weight")).copied_bytes == 0
 
     class Close(KernelTable):
-        def times(self, weight):
+        def times_for(self, out, inn, dtype, device, source):
             return {"weight": 1.0, "transposed": 0.95, "onednn": 0.97}
 
     assert prepare_decode_linears(m, Close(None)).copied_bytes == 0
@@ -154,3 +154,56 @@ def test_measurements_are_kept_per_machine_in_the_cache_file(tmp_path):
     assert again.times(w) == first
     assert again.times(w.t().contiguous().t()) is not None  # another memory order is another entry
     assert len(json.loads(path.read_text())[machine_key()]) == 2
+
+
+def test_a_burst_of_load_during_one_candidates_turn_does_not_decide_the_winner():
+    """Candidates take turns and each keeps its fastest batch: ``fast`` is slowed 15x for its first calls (a
+    burst of load elsewhere) and still measures faster than ``slow``."""
+    import time
+
+    from model.decode.kernels import _interleaved_best
+
+    calls = {"fast": 0}
+
+    def fast() -> None:
+        calls["fast"] += 1
+        time.sleep(0.003 if calls["fast"] < 8 else 0.0002)
+
+    def slow() -> None:
+        time.sleep(0.001)
+
+    best = _interleaved_best({"fast": fast, "slow": slow}, min_s=0.004, rounds=7)
+    assert best["fast"] < best["slow"]
+
+
+@pytest.mark.parametrize("kind", ["transposed", "onednn"])
+@torch.no_grad()
+def test_a_budget_views_split_projections_run_one_gemm_on_their_runs_joined(kind, monkeypatch):
+    """A budget keeping one of two Mamba heads per group views its projections as several runs of the
+    parent's rows / columns (:mod:`model.decode.split_linear`); prepared, each is one GEMM on a joined copy,
+    and the budget's steps equal its steps without copies. The parent's weights are untouched."""
+    from model.decode.budget_view import budget_model
+    from model.decode.split_linear import ColSplitLinear, RowSplitLinear
+    from model.elastic import Architecture
+
+    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model: None)
+    parent = _model()
+    before = {k: v.clone() for k, v in parent.state_dict().items()}
+    budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2))
+    split = [m for m in projections(budget) if type(m) in (RowSplitLinear, ColSplitLinear)]
+    assert {type(m) for m in split} == {RowSplitLinear, ColSplitLinear}
+    ids = torch.randint(0, TINY["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(2))
+    reference = _decode(budget, ids, DecodePlan(budget))  # no copies: the runs one by one
+    report = prepare_decode_linears(budget, ForcedTable(kind))
+    assert report.kernels == {kind: len(projections(budget))}
+    assert all(PREPARED in m.__dict__ for m in split)
+    x, res = torch.randn(3, split[0].in_features), torch.randn(3, split[0].out_features)
+    assert torch.allclose(linear(split[0], x, res), split[0](x) + res, atol=1e-5)
+    assert (_decode(budget, ids, DecodePlan(budget)) - reference).abs().max() <= 1e-5
+    with torch.no_grad():  # an in-place update of the parent: the split copies are stale and dropped
+        parent.model.layers[0].mixer.in_proj.weight.mul_(2.0)
+    row = next(m for m in split if type(m) is RowSplitLinear)
+    x = torch.randn(1, row.in_features)
+    assert torch.allclose(linear(row, x), row(x), atol=1e-5) and PREPARED not in row.__dict__
+    parent.model.layers[0].mixer.in_proj.weight.div_(2.0)
+    assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
