@@ -2,7 +2,9 @@
 
 ``--part throughput``: concurrent HTTP clients against the Serve app on a local Ray, for continuous,
 static and no batching side by side. ``--part memory``: the RSS of a fresh process serving every
-budget against the full budget only. Target: all budgets <= 1.1 x full only. ``--part grammar``: the
+budget against the full budget only, with the decode kernels' weight copies off (``decode_copy_mib: 0``) and at
+their default bound. Target: all budgets <= 1.1 x full only with the copies off (the views of one weight copy);
+the copies' memory is reported beside it. ``--part grammar``: the
 cost of structured outputs: at 4 and 16 clients, all clients free against half of them asking for a
 JSON schema (``response_format``), rounds alternating; reported: tokens/s of both mixes and the
 grammar's own time per constrained token (mask computed and applied in the sampler, from ``/stats``).
@@ -225,8 +227,9 @@ def grammar_cost(ckpt: Path, args) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- memory
-def _rss_child(ckpt: str, budgets: str) -> None:
-    """Child process: load, answer one request per served budget, print the RSS as JSON."""
+def _rss_child(ckpt: str, budgets: str, copies: str = "default") -> None:
+    """Child process: load, answer one request per served budget, print the RSS as JSON. ``copies``: the decode
+    kernels' weight copies at their default bound, or ``off`` (``decode_copy_mib: 0``)."""
     import psutil
 
     from components.serving.config import ServingConfig
@@ -235,7 +238,10 @@ def _rss_child(ckpt: str, budgets: str) -> None:
     from model.generate import SamplingParams
 
     names = None if budgets == "all" else budgets.split(",")
-    state = ServingState(ckpt, ServingConfig(api_key_env=None, budgets=names, torch_threads=2))
+    copy_mib = 0 if copies == "off" else None
+    state = ServingState(
+        ckpt, ServingConfig(api_key_env=None, budgets=names, torch_threads=2, decode_copy_mib=copy_mib)
+    )
     prompt = state.loaded.tokenizer.encode("<bos>Q:1+2*3\n<think>")
 
     async def one(model: str) -> None:
@@ -249,24 +255,32 @@ def _rss_child(ckpt: str, budgets: str) -> None:
     mem = state.memory()
     state.close()
     print(json.dumps({"rss_bytes": psutil.Process().memory_info().rss, "weight_bytes": mem["weight_bytes"],
-                      "copied_bytes": sum(mem["copied_bytes"].values()), "budgets": list(state.cards)}))  # fmt: skip
+                      "copied_bytes": sum(mem["copied_bytes"].values()),
+                      "decode_copy_bytes": sum(mem["decode_copy_bytes"].values()),
+                      "budgets": list(state.cards)}))  # fmt: skip
 
 
 def memory(ckpts: dict[str, Path]) -> list[dict[str, Any]]:
+    """Per model and decode-copy setting: RSS serving the full budget only and every budget. The 1.1 target is
+    for the budgets' views of one weight copy (copies off); the kernels' copies are reported beside it."""
     rows = []
     for name, ckpt in ckpts.items():
-        got = {}
-        for case in ("full", "all"):
-            out = subprocess.run(
-                [sys.executable, __file__, "--rss-child", str(ckpt), case], capture_output=True, text=True, check=True
-            )
-            got[case] = json.loads(out.stdout.strip().splitlines()[-1])
-        full, every = got["full"], got["all"]
-        ratio = every["rss_bytes"] / full["rss_bytes"]
-        rows.append({"model": name, "weight_mb": every["weight_bytes"] / 2**20,
-                     "rss_full_only_mb": full["rss_bytes"] / 2**20, "rss_all_mb": every["rss_bytes"] / 2**20,
-                     "ratio": ratio, "copied_kb": every["copied_bytes"] / 1024, "met": ratio <= 1.1,
-                     "budgets": every["budgets"]})  # fmt: skip
+        for copies in ("off", "default"):
+            got = {}
+            for case in ("full", "all"):
+                out = subprocess.run(
+                    [sys.executable, __file__, "--rss-child", str(ckpt), case, copies],
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                got[case] = json.loads(out.stdout.strip().splitlines()[-1])
+            full, every = got["full"], got["all"]
+            ratio = every["rss_bytes"] / full["rss_bytes"]
+            rows.append({"model": name, "decode_copies": copies, "weight_mb": every["weight_bytes"] / 2**20,
+                         "rss_full_only_mb": full["rss_bytes"] / 2**20, "rss_all_mb": every["rss_bytes"] / 2**20,
+                         "ratio": ratio, "copied_kb": every["copied_bytes"] / 1024,
+                         "decode_copies_full_mb": full["decode_copy_bytes"] / 2**20,
+                         "decode_copies_all_mb": every["decode_copy_bytes"] / 2**20,
+                         "met": ratio <= 1.1, "budgets": every["budgets"]})  # fmt: skip
     return rows
 
 
@@ -288,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="throughput on bench_peers' ~115M family (vocabulary 49152, the demo tokenizer's ids) "
                         "instead of the demo-sized parent")  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=None, help="batching modes (default all)")
-    p.add_argument("--rss-child", nargs=2, metavar=("CKPT", "BUDGETS"), help=argparse.SUPPRESS)
+    p.add_argument("--rss-child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_child:
         _rss_child(*args.rss_child)
@@ -331,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
             rows = memory({"demo": demo, "large": large})
             result["memory"] = rows
             print(format_table(
-                ["model", "weights MB", "RSS full only MB", "RSS all budgets MB", "ratio", "copied KB", "<= 1.1"],
-                [[r["model"], r["weight_mb"], r["rss_full_only_mb"], r["rss_all_mb"], r["ratio"], r["copied_kb"],
+                ["model", "decode copies", "weights MB", "RSS full only MB", "RSS all budgets MB", "ratio",
+                 "copied KB", "decode copies MB (full / all)", "<= 1.1"],
+                [[r["model"], r["decode_copies"], r["weight_mb"], r["rss_full_only_mb"], r["rss_all_mb"], r["ratio"],
+                  r["copied_kb"], f"{r['decode_copies_full_mb']:.1f} / {r['decode_copies_all_mb']:.1f}",
                   "yes" if r["met"] else "no"] for r in rows],
             ))  # fmt: skip
     result["load_average_end"] = os.getloadavg()

@@ -181,6 +181,14 @@ class ServingConfig(BaseModel):
         description="FP8/NVFP4 only: keep a dense copy of each quantized weight after first use (faster on CPU, "
         "but the resident weights are then no longer the single quantized copy).",
     )
+    decode_copy_mib: float | None = Field(
+        None,
+        ge=0,
+        description="CPU decode: memory (MiB) the budgets' decode steps may take, all budgets together, for "
+        "copies of projection weights in the layout their measured fastest kernel reads (model/decode/kernels.py; "
+        "on this machine class they make a budget's step up to ~1.4x faster). 0: every budget reads the one "
+        "weight copy. None: up to 4 GiB per budget (STAR_ELASTIC_DECODE_COPY_MIB).",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

@@ -153,6 +153,11 @@ class ServingState:
             "rss_bytes": psutil.Process().memory_info().rss,
             "weight_bytes": sum(storages.values()),  # the one weight copy (each storage counted once)
             "copied_bytes": registry.copied_bytes(),  # per budget: what building its model allocated
+            "decode_copy_bytes": {  # per budget: its decode kernels' weight copies (ServingConfig.decode_copy_mib)
+                name: plan.kernels.copied_bytes
+                for name in registry.names
+                if (plan := registry.get(name).decode_plan()) is not None and plan.kernels is not None
+            },
         }
 
     # ------------------------------------------------------------------ HTTP-level checks

@@ -35,7 +35,9 @@ class DecodePlan:
     logits-free forward, autograd off. Everything else is the model's own forward.
     """
 
-    def __init__(self, model: HybridLM) -> None:
+    def __init__(self, model: HybridLM, max_copy_bytes: int | None = None) -> None:
+        """``max_copy_bytes``: the memory its projections' kernel copies may take
+        (:func:`~model.decode.kernels.prepare_decode_linears`; None: the default bound)."""
         backbone = model.model
         self.model = model
         self.embeddings = backbone.embeddings
@@ -43,7 +45,7 @@ class DecodePlan:
         self.lm_head = model.lm_head
         self.float_residual = model.config.residual_in_fp32
         self.steps = [STEPS.get(block.kind, ReferenceStep)(block) for block in backbone.layers]
-        self.kernels = prepare_decode_linears(model)  # each projection on its measured fastest kernel
+        self.kernels = prepare_decode_linears(model, max_copy_bytes=max_copy_bytes)  # measured fastest kernels
 
     def stale(self) -> bool:
         """Whether a weight changed in place since the plan was built, so that tensors it derived from the

@@ -90,7 +90,7 @@ def _reference(m: HybridLM, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["transposed", "onednn"])
 def test_plan_with_copies_equals_the_reference(dtype, kind, monkeypatch):
     m = _model(dtype)
-    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model: None)
+    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model, **kw: None)
     report = prepare_decode_linears(m, ForcedTable(kind))
     n = len(projections(m))
     assert report.kernels == {kind: n} and report.copied_bytes > 0
@@ -186,7 +186,7 @@ def test_a_budget_views_split_projections_run_one_gemm_on_their_runs_joined(kind
     from model.decode.split_linear import ColSplitLinear, RowSplitLinear
     from model.elastic import Architecture
 
-    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model: None)
+    monkeypatch.setattr("model.decode.plan.prepare_decode_linears", lambda model, **kw: None)
     parent = _model()
     before = {k: v.clone() for k, v in parent.state_dict().items()}
     budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2))
@@ -207,3 +207,28 @@ def test_a_budget_views_split_projections_run_one_gemm_on_their_runs_joined(kind
     assert torch.allclose(linear(row, x), row(x), atol=1e-5) and PREPARED not in row.__dict__
     parent.model.layers[0].mixer.in_proj.weight.div_(2.0)
     assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
+
+
+@torch.no_grad()
+def test_servings_copy_bound_holds_for_all_budgets_together(monkeypatch):
+    """``prepare_decode(registry, bound)``: every budget's plan built, their copies within one bound for all
+    budgets (the largest budget first); 0 leaves every budget on the one weight copy."""
+    from components.serving.loading import prepare_decode
+    from model.decode.budget_view import BudgetRegistry
+    from model.elastic import Architecture
+
+    monkeypatch.setattr("model.decode.kernels.shared_table", lambda: ForcedTable("transposed"))
+    archs = {"full": Architecture(), "small": Architecture(hidden=24, mamba_heads=2)}
+
+    def copies(bound: int | None) -> dict[str, int]:
+        registry = BudgetRegistry(_model(), archs)
+        prepare_decode(registry, bound)
+        return {n: registry.get(n).decode_plan().kernels.copied_bytes for n in registry.names}
+
+    unbounded = copies(None)
+    assert all(b > 0 for b in unbounded.values())
+    assert copies(0) == {"full": 0, "small": 0}
+    bound = unbounded["full"] + unbounded["small"] // 2
+    bounded = copies(bound)
+    assert bounded["full"] == unbounded["full"] and 0 < bounded["small"] < unbounded["small"]
+    assert sum(bounded.values()) <= bound
