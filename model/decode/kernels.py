@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ MARGIN = 0.10
 """A copy is kept only when its kernel measured at least this fraction faster than the weight itself: closer
 calls are noise, and a copy costs memory."""
 DEFAULT_MAX_COPY_BYTES = 4 << 30
-MEASUREMENT = "interleaved-best-v2"
+MEASUREMENT = "interleaved-median-v3"
 """How the cached times were measured (part of the cache key): times taken another way are measured again."""
 PREPARED = "_decode_prepared"
 """The ``module.__dict__`` key of a projection's prepared copy (read without ``nn.Module`` attribute lookup)."""
@@ -167,13 +168,16 @@ def _calls_per_batch(fn: Callable[[], object], min_s: float) -> int:
     return max(calls, 1)
 
 
-def _interleaved_best(fns: dict[str, Callable[[], object]], min_s: float = 0.004, rounds: int = 7) -> dict[str, float]:
-    """Seconds per call of each function: the fastest of ``rounds`` batches, the functions taking turns
-    batch by batch (the order rotated each round). Another process on the machine only ever adds time, and it
-    adds it to every candidate alike, so a burst of load can no longer crown the wrong kernel for good (the
-    result is cached per machine)."""
+def _interleaved_median(
+    fns: dict[str, Callable[[], object]], min_s: float = 0.004, rounds: int = 7
+) -> dict[str, float]:
+    """Seconds per call of each function: the median of ``rounds`` batches, the functions taking turns batch
+    by batch (the order rotated each round). A burst of load from another process then lands on a batch or two
+    of every candidate alike instead of on all of one candidate's batches, and the median leaves it out, so it
+    cannot crown the wrong kernel for good (the result is cached per machine). The median rather than the
+    fastest batch: a kernel's fixed cost per call shows in a step as it does in the typical batch."""
     calls = {k: _calls_per_batch(fn, min_s) for k, fn in fns.items()}
-    best = dict.fromkeys(fns, float("inf"))
+    times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(rounds):
         for k in names[r % len(names) :] + names[: r % len(names)]:
@@ -181,8 +185,8 @@ def _interleaved_best(fns: dict[str, Callable[[], object]], min_s: float = 0.004
             t = time.perf_counter()
             for _ in range(n):
                 fn()
-            best[k] = min(best[k], (time.perf_counter() - t) / n)
-    return best
+            times[k].append((time.perf_counter() - t) / n)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 COLD_BYTES = 64 << 20
@@ -193,7 +197,7 @@ step (which reads every weight of the model once), the weights come from memory 
 def measure(out: int, inn: int, dtype: torch.dtype, device: torch.device, source: str) -> dict[str, float]:
     """Microseconds per batch-1 call of each candidate for a weight (out, in) stored in ``source`` order,
     cycling through enough distinct weights to leave the caches (:data:`COLD_BYTES`); the candidates are
-    timed in turns (:func:`_interleaved_best`)."""
+    timed in turns (:func:`_interleaved_median`)."""
     count = max(1, min(256, -(-COLD_BYTES // (out * inn * torch.finfo(dtype).bits // 8))))
     weights = []
     for _ in range(count):
@@ -214,7 +218,7 @@ def measure(out: int, inn: int, dtype: torch.dtype, device: torch.device, source
 
             return run
 
-        best = _interleaved_best({k: calls(k) for k in kinds})
+        best = _interleaved_median({k: calls(k) for k in kinds})
     return {k: t / count * 1e6 for k, t in best.items()}
 
 

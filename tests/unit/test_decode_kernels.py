@@ -157,11 +157,11 @@ def test_measurements_are_kept_per_machine_in_the_cache_file(tmp_path):
 
 
 def test_a_burst_of_load_during_one_candidates_turn_does_not_decide_the_winner():
-    """Candidates take turns and each keeps its fastest batch: ``fast`` is slowed 15x for its first calls (a
+    """Candidates take turns and each keeps its median batch: ``fast`` is slowed 15x for its first calls (a
     burst of load elsewhere) and still measures faster than ``slow``."""
     import time
 
-    from model.decode.kernels import _interleaved_best
+    from model.decode.kernels import _interleaved_median
 
     calls = {"fast": 0}
 
@@ -172,7 +172,7 @@ def test_a_burst_of_load_during_one_candidates_turn_does_not_decide_the_winner()
     def slow() -> None:
         time.sleep(0.001)
 
-    best = _interleaved_best({"fast": fast, "slow": slow}, min_s=0.004, rounds=7)
+    best = _interleaved_median({"fast": fast, "slow": slow}, min_s=0.004, rounds=7)
     assert best["fast"] < best["slow"]
 
 
