@@ -12,7 +12,9 @@ Design choices:
   controller are quiet before any of their code is imported.
 * What a library only lets an environment variable decide (MLflow's artifact-download bars, Ray
   Train's preemption watcher) is set in the workers' runtime environment, never in the driver's
-  ``os.environ``.
+  ``os.environ``. One exception: Ray wraps the worker lines it forwards in colour codes unless the
+  driver's ``RAY_COLOR_PREFIX`` is ``0``; when the driver's output is not a terminal (a log file, CI)
+  :func:`plain_forwarded_lines` sets it, unless the user set it already.
 
 Silenced:
 
@@ -29,6 +31,7 @@ Silenced:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -101,6 +104,18 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name)  # the same object the library gets, before or after it is imported
         if not any(isinstance(f, _DropMessages) and f.starts == starts for f in logger.filters):
             logger.addFilter(_DropMessages(starts))
+
+
+def plain_forwarded_lines(stream: Any = None) -> bool:
+    """No colour codes around the worker lines Ray forwards to this (driver) process when ``stream`` (default
+    stdout) is not a terminal, where they would be written out as ``ESC[36m``; a user's own
+    ``RAY_COLOR_PREFIX`` wins. Returns whether the lines will be plain."""
+    if not is_terminal(sys.stdout if stream is None else stream):
+        os.environ.setdefault(RAY_COLOR_ENV, "0")
+    return os.environ.get(RAY_COLOR_ENV) == "0"
+
+
+RAY_COLOR_ENV = "RAY_COLOR_PREFIX"
 
 
 def worker_runtime_env(local: bool) -> dict[str, Any]:

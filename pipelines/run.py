@@ -19,8 +19,9 @@ from pipelines.stages import pipeline_stages
 def _init_ray(cfg: PipelineConfig) -> None:
     import ray
 
-    from components.console import worker_runtime_env
+    from components.console import plain_forwarded_lines, worker_runtime_env
 
+    plain_forwarded_lines()  # a log file gets no colour codes around the workers' lines
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         if address:

@@ -4,6 +4,7 @@ stays; the workers' runtime environment carries the same setup."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -143,3 +144,21 @@ def test_the_workers_run_the_same_setup_and_only_a_local_runtime_drops_the_preem
     assert local["env_vars"]["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "0"
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in cluster["env_vars"]
     assert local["env_vars"]["STAR_ELASTIC_PROGRESS"] == "lines"  # pytest's stdout is no terminal
+
+
+def test_forwarded_worker_lines_carry_no_colour_codes_into_a_file(monkeypatch):
+    """Output to a file or pipe: Ray's forwarded lines are plain; on a terminal they keep Ray's colours; a
+    user's own RAY_COLOR_PREFIX is never overridden."""
+    import io
+
+    from components.console import RAY_COLOR_ENV, plain_forwarded_lines
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.delenv(RAY_COLOR_ENV, raising=False)
+    assert not plain_forwarded_lines(Terminal()) and RAY_COLOR_ENV not in os.environ
+    assert plain_forwarded_lines(io.StringIO()) and os.environ[RAY_COLOR_ENV] == "0"
+    monkeypatch.setenv(RAY_COLOR_ENV, "1")
+    assert not plain_forwarded_lines(io.StringIO()) and os.environ[RAY_COLOR_ENV] == "1"
