@@ -89,7 +89,7 @@ def _patch(name: str) -> None:
     elif name == "moe_rows_reference":  # several rows: the router and Experts as they are (no dense pass)
         layers.MoEStep.dense_rows = layers.MoEStep.rows
     elif name == "no_kernels":  # every projection through F.linear on its weight (no measured kernel copies)
-        plan.prepare_decode_linears = lambda model: None
+        plan.prepare_decode_linears = lambda model, **kw: None
     elif name == "sdpa_attention":  # one query through F.scaled_dot_product_attention's blocked kernel
 
         def sdpa(q, k, v, mask):
