@@ -106,6 +106,9 @@ def quiet_libraries() -> None:
             logger.addFilter(_DropMessages(starts))
 
 
+RAY_COLOR_ENV = "RAY_COLOR_PREFIX"
+
+
 def plain_forwarded_lines(stream: Any = None) -> bool:
     """No colour codes around the worker lines Ray forwards to this (driver) process when ``stream`` (default
     stdout) is not a terminal, where they would be written out as ``ESC[36m``; a user's own
@@ -113,9 +116,6 @@ def plain_forwarded_lines(stream: Any = None) -> bool:
     if not is_terminal(sys.stdout if stream is None else stream):
         os.environ.setdefault(RAY_COLOR_ENV, "0")
     return os.environ.get(RAY_COLOR_ENV) == "0"
-
-
-RAY_COLOR_ENV = "RAY_COLOR_PREFIX"
 
 
 def worker_runtime_env(local: bool) -> dict[str, Any]:

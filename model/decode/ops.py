@@ -81,16 +81,13 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
         if fuse and bias is None:
             return F.linear(x, weight, residual)  # addmm(residual, x, weight.t()): one call
         out = F.linear(x, weight, bias)
-    elif (kind is ColSplitLinear or kind is RowSplitLinear) and PREPARED in module.__dict__ and not hooked(module):
-        out = prepared_linear(module, x, residual)  # one GEMM on the runs joined (model.decode.kernels)
-        if out is not None:
-            return out
-        return linear_split(module, x, residual)
-    elif kind is ColSplitLinear and not hooked(module):
-        if fuse:
+    elif (kind is ColSplitLinear or kind is RowSplitLinear) and not hooked(module):
+        if PREPARED in module.__dict__:  # one GEMM on the runs joined (model.decode.kernels)
+            out = prepared_linear(module, x, residual)
+            if out is not None:
+                return out
+        if kind is ColSplitLinear and fuse:
             return module.forward(x, residual)  # the residual is the first block's addend
-        out = module.forward(x)
-    elif kind is RowSplitLinear and not hooked(module):
         out = module.forward(x)
     else:  # quantized or hooked projections: their own call, whose output a hook may hold
         out = module(x)
@@ -98,16 +95,6 @@ def linear(module: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tens
     if residual is None:
         return out
     return out.add_(residual) if fuse else residual + out  # out is a fresh tensor here
-
-
-def linear_split(module: nn.Module, x: Tensor, residual: Tensor | None) -> Tensor:
-    """A split projection's own runs (its prepared copy was stale and has been dropped)."""
-    if type(module) is ColSplitLinear and residual is not None and residual.dtype == x.dtype:
-        return module.forward(x, residual)
-    out = module.forward(x)
-    if residual is None:
-        return out
-    return out.add_(residual) if residual.dtype == out.dtype else residual + out
 
 
 __all__ = ["cast", "hooked", "linear", "rms_norm"]
