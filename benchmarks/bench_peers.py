@@ -13,7 +13,8 @@ float32, in bfloat16 and in NVFP4, then converted by llama.cpp's own ``convert_h
 Per budget and format, in one process, batch 1, ``--threads`` threads for both engines: a ``--prompt``-token
 prompt, then ``--new-tokens`` greedy tokens. llama.cpp runs through its C API (the sdist's ctypes bindings),
 ours through the project's decode path (prefill with the model's forward, single-token steps through its
-decode plan: what ``model.generate.generate`` runs; the tokens are checked against ``generate`` once). The two
+decode plan with its compiled one-row steps, ``--engine eager`` without; the tokens are compared with
+``model.generate.generate``'s, the eager plan's: the ``ours = eager`` column). The two
 engines alternate in ``--rounds`` rounds (:func:`benchmarks.common.time_interleaved`, order reversed every
 other round); a run's prefill is untimed and its ``new_tokens - 1`` single-token steps are timed, so
 tokens/s is decode speed. Reported:
@@ -109,13 +110,16 @@ KV_TYPE = {"f32": "f32", "bf16": "bf16", "nvfp4": "f32", FLOOR_OFF: "f32"}
 # ---------------------------------------------------------------------- our engine
 class OurEngine:
     """Our decode path at batch 1: prefill with the model's forward, then single-token steps through the
-    model's decode plan (:func:`model.decode.plan.decode_plan`), greedy by argmax (ties: the lowest id)."""
+    model's decode plan (:class:`model.decode.plan.DecodePlan`; ``compiled``: with its compiled one-row steps,
+    compiled and measured against the eager ones before any timing, kept only where faster), greedy by argmax
+    (ties: the lowest id)."""
 
-    def __init__(self, model: HybridLM) -> None:
-        from model.decode.plan import decode_plan
+    def __init__(self, model: HybridLM, compiled: bool = True) -> None:
+        from model.decode.plan import DecodePlan
 
         self.model = model
-        self.plan = decode_plan(model)
+        self.plan = DecodePlan(model, compiled=compiled)
+        self.plan.warm()
         self.cache = None
         self._tok = torch.zeros(1, 1, dtype=torch.long)
 
@@ -162,11 +166,14 @@ def compare(
         return Case(fn=run, setup=lambda: engine.prefill(prompt))
 
     with torch.inference_mode():
-        reference = generate(model, [prompt], SamplingParams(max_new_tokens=args.new_tokens))[0][0]
+        eager = generate(model, [prompt], SamplingParams(max_new_tokens=args.new_tokens))[0][0]
         timings = time_interleaved(
             {"llama.cpp": case("llama.cpp", peer), "ours": case("ours", ours)}, warmup=1, repeats=args.rounds
         )
+    reference = runs["ours"][-1]
     if any(r != reference for r in runs["ours"]):
+        raise AssertionError("our greedy tokens changed between rounds")
+    if ours.plan.compiled is None and reference != eager:
         raise AssertionError("our decode loop differs from model.generate.generate: it would time the wrong path")
     forced, theirs_logits = [peer.prefill(prompt)], [peer.logits()]  # llama.cpp fed our tokens
     for t in reference[:-1]:
@@ -178,6 +185,9 @@ def compare(
     ratio = paired_ratio(timings["ours"], timings["llama.cpp"])  # ours' time / theirs = their speed / ours
     return {
         "tokens_ours": reference,
+        "tokens_ours_eager": eager,
+        "eager_first_divergence": first_divergence(reference, eager),
+        "steps": ours.plan.compile_summary(),
         "tokens_llama_cpp": theirs,
         "llama_cpp_deterministic": all(r == theirs for r in runs["llama.cpp"]),
         "identical": theirs == reference,
@@ -278,14 +288,15 @@ def run(args: argparse.Namespace, build: LlamaCppBuild, work: Path) -> dict[str,
         model = load_ours(folder, fmt)
         peer = LlamaCppEngine(lib, ggufs[budget, fmt], args.threads, args.prompt + args.new_tokens + 8, KV_TYPE[fmt])
         try:
-            result = compare(OurEngine(model), peer, model, prompt, fmt, args)
+            result = compare(OurEngine(model, args.engine == "compiled"), peer, model, prompt, fmt, args)
         finally:
             peer.close()
         result.update(budget=budget, format=fmt, total_params=count_params(config, archs[budget]).total,
                       gguf_mb=ggufs[budget, fmt].stat().st_size / 1e6, convert_s=convert_s[budget, fmt])  # fmt: skip
         rows.append(result)
         print(f"  {i}/{len(checkpoints)} {budget} {fmt}: identical {result['identical']}, llama.cpp "
-              f"{result['llama_cpp_tok_s']:.1f} tok/s, ours {result['ours_tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+              f"{result['llama_cpp_tok_s']:.1f} tok/s, ours {result['ours_tok_s']:.1f} tok/s; {result['steps']}",
+              flush=True)  # fmt: skip
         del model
     load_end = load_average()
     bw_end = bandwidth(args.threads)
@@ -299,13 +310,14 @@ def run(args: argparse.Namespace, build: LlamaCppBuild, work: Path) -> dict[str,
 def table(rows: list[dict[str, Any]], new_tokens: int) -> str:
     """One row per budget and format (the columns are described in the module docstring)."""
     headers = ["budget", "format", "params", "GGUF MB", f"same {new_tokens} tokens", "first diff", "forced agree",
-               "max logit gap", "no dt floor", "distinct tokens", "llama.cpp tok/s", "ours tok/s",
+               "max logit gap", "no dt floor", "distinct tokens", "ours = eager", "llama.cpp tok/s", "ours tok/s",
                "llama.cpp / ours (IQR)"]  # fmt: skip
     body = [
         [r["budget"], r["format"], f"{r['total_params'] / 1e6:.1f}M", r["gguf_mb"], "yes" if r["identical"] else "no",
          "-" if r["first_divergence"] is None else r["first_divergence"], f"{r['forced_agree']}/{new_tokens}",
          f"{r['logit_gap']:.1e}",
          "-" if r["logit_gap_no_dt_floor"] is None else f"{r['logit_gap_no_dt_floor']:.1e}", r["distinct_tokens"],
+         "yes" if r["eager_first_divergence"] is None else f"from {r['eager_first_divergence']}",
          r["llama_cpp_tok_s"], r["ours_tok_s"], f"{r['ratio']:.2f} ({r['ratio_q1']:.2f}-{r['ratio_q3']:.2f})"]
         for r in rows
     ]  # fmt: skip
@@ -315,6 +327,12 @@ def table(rows: list[dict[str, Any]], new_tokens: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    p.add_argument(
+        "--engine",
+        choices=["compiled", "eager"],
+        default="compiled",
+        help="our decode plan with its compiled one-row steps (model/decode/compiled.py) or eager only",
+    )
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per run")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per case (after one warmup round)")
@@ -358,7 +376,10 @@ def results_text(args: argparse.Namespace, out: dict[str, Any], command: str, in
         "converted with llama.cpp's `convert_hf_to_gguf.py` unchanged. Batch 1, greedy, "
         f"{args.prompt}-token prompt, {args.new_tokens} new tokens; tokens/s = {args.new_tokens - 1} decode steps / "
         f"their time (prefill untimed), median of {args.rounds} rounds alternating the engines; the ratio is taken "
-        "round by round. Ours: prefill + the decode plan (`model.generate`'s path, tokens checked against it); "
+        "round by round. Ours: prefill + the decode plan with its compiled one-row steps (`model/decode/compiled.py`, "
+        "compiled and measured against the eager steps before the timing, kept where faster; `--engine eager`: "
+        "without them); `ours = eager`: whether our greedy tokens are the eager plan's (`model.generate`), else "
+        "from which index; "
         "NVFP4 ours dequantizes once and runs float32 (a numerics reference). llama.cpp: KV cache in the "
         "format's compute dtype (f32 / bf16), flash attention off. `forced agree`: llama.cpp fed our tokens, how "
         "often its greedy choice is ours; `max logit gap`: the largest |llama.cpp - ours| logit there over the std "

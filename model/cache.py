@@ -50,10 +50,9 @@ class KVCache:
         shape = (batch, kv_heads, max(capacity, 1), head_dim)
         return cls(like.new_zeros(shape), like.new_zeros(shape), 0)
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Add (batch, kv_heads, t, head_dim) keys/values; return views of the whole history."""
-        t = k.shape[2]
-        need = self.length + t
+    def reserve(self, need: int) -> None:
+        """Make room for ``need`` slots in all: a full buffer is replaced by one of at least twice its capacity
+        holding the same history."""
         if need > self.k.shape[2]:
             cap = max(need, 2 * self.k.shape[2])
             grow = (self.k.shape[0], self.k.shape[1], cap, self.k.shape[3])
@@ -61,6 +60,11 @@ class KVCache:
             k_new[:, :, : self.length] = self.k[:, :, : self.length]
             v_new[:, :, : self.length] = self.v[:, :, : self.length]
             self.k, self.v = k_new, v_new
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add (batch, kv_heads, t, head_dim) keys/values; return views of the whole history."""
+        need = self.length + k.shape[2]
+        self.reserve(need)
         self.k[:, :, self.length : need] = k
         self.v[:, :, self.length : need] = v
         self.length = need

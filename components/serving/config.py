@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components.data.tokenizer import ReasoningMarkers
 from components.serving.request_models import ReasoningEffort  # the wire format's values, mapped here
+from model.decode.compiled import compiled_decode_default
 
 DEFAULT_API_KEY_ENV = "STAR_ELASTIC_API_KEY"
 DEPLOYMENT_NAME = "StarElasticServer"
@@ -188,6 +189,13 @@ class ServingConfig(BaseModel):
         "copies of projection weights in the layout their measured fastest kernel reads (model/decode/kernels.py; "
         "on this machine class they make a budget's step up to ~1.4x faster). 0: every budget reads the one "
         "weight copy. None: up to 4 GiB per budget (STAR_ELASTIC_DECODE_COPY_MIB).",
+    )
+    decode_compile: bool = Field(
+        default_factory=compiled_decode_default,
+        description="CPU decode: a stream decoding alone (one row) steps through compiled layer steps "
+        "(model/decode/compiled.py; torch.compile, needs a C++ compiler), compiled at start-up and kept for a "
+        "budget only where they measure faster than the eager steps; their outputs-major weight copies count "
+        "against decode_copy_mib. Default: on (STAR_ELASTIC_DECODE_COMPILE=0 turns the default off).",
     )
     torch_threads: int | None = Field(
         None,

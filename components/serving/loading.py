@@ -110,28 +110,31 @@ class LoadedModel:
             sliced = {n: m.to(device).eval() for n, m in sliced.items()}
         registry = BudgetRegistry(full, archs, order, sliced=sliced)  # dense: every budget a view of one copy
         copy_bytes = None if config.decode_copy_mib is None else int(config.decode_copy_mib * 2**20)
-        prepare_decode(registry, copy_bytes)
+        prepare_decode(registry, copy_bytes, config.decode_compile)
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
 
 
-def prepare_decode(registry: BudgetRegistry, max_copy_bytes: int | None = None) -> None:
+def prepare_decode(registry: BudgetRegistry, max_copy_bytes: int | None = None, compiled: bool = False) -> None:
     """Build every budget's decode plan now, so that its kernel measurements (model/decode/kernels.py; cached
-    on disk per machine) are taken at start-up and never by a first request; logs what it took.
+    on disk per machine) and, with ``compiled``, its compiled one-row steps (model/decode/compiled.py,
+    compiled and measured against the eager steps) are done at start-up and never by a first request; logs
+    what it took.
 
-    ``max_copy_bytes``: what the kernels' weight copies may take for all budgets together, largest budget
-    first (None: the kernels' default bound for each budget; 0: every budget reads the one weight copy)."""
+    ``max_copy_bytes``: what the plans' weight copies may take for all budgets together, largest budget
+    first (None: the default bound for each budget; 0: every budget reads the one weight copy)."""
     start = time.perf_counter()
     summaries = []
     left = max_copy_bytes
     with torch.inference_mode():
         for name in registry.names:
-            plan = registry.get(name).decode_plan(max_copy_bytes=left)
-            if plan is not None and plan.kernels is not None:
-                summaries.append(f"{name}: {plan.kernels.summary()}")
+            plan = registry.get(name).decode_plan(max_copy_bytes=left, compiled=compiled)
+            if plan is not None:
+                detail = plan.kernels.summary() + (f"; {plan.compile_summary()}" if compiled else "")
+                summaries.append(f"{name}: {detail}")
                 if left is not None:
-                    left = max(0, left - plan.kernels.copied_bytes)
+                    left = max(0, left - plan.copied_bytes())
     detail = "; " + "; ".join(summaries) if summaries else ""
     log.info("decode plans ready in %.1fs%s", time.perf_counter() - start, detail)
 

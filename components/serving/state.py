@@ -146,6 +146,7 @@ class ServingState:
         import psutil
 
         registry = self.loaded.registry
+        plans = {n: plan for n in registry.names if (plan := registry.get(n).decode_plan()) is not None}
         storages = {
             t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in registry.full.state_dict().values()
         }
@@ -153,11 +154,10 @@ class ServingState:
             "rss_bytes": psutil.Process().memory_info().rss,
             "weight_bytes": sum(storages.values()),  # the one weight copy (each storage counted once)
             "copied_bytes": registry.copied_bytes(),  # per budget: what building its model allocated
-            "decode_copy_bytes": {  # per budget: its decode kernels' weight copies (ServingConfig.decode_copy_mib)
-                name: plan.kernels.copied_bytes
-                for name in registry.names
-                if (plan := registry.get(name).decode_plan()) is not None and plan.kernels is not None
+            "decode_copy_bytes": {  # per budget: its decode steps' weight copies (ServingConfig.decode_copy_mib)
+                name: plan.copied_bytes() for name, plan in plans.items()
             },
+            "decode_steps": {name: plan.compile_summary() for name, plan in plans.items()},
         }
 
     # ------------------------------------------------------------------ HTTP-level checks

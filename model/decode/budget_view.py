@@ -174,16 +174,23 @@ class BudgetModel(HybridLM):
             return self.decode_plan()(input_ids, cache, options.get("return_hidden", False))
         return super().forward(input_ids, cache, mask=mask, **options)
 
-    def decode_plan(self, rebuild: bool = False, max_copy_bytes: int | None = None) -> DecodePlan | None:
+    def decode_plan(
+        self, rebuild: bool = False, max_copy_bytes: int | None = None, compiled: bool | None = None
+    ) -> DecodePlan | None:
         """This budget's :class:`~model.decode.plan.DecodePlan` (built once), or None under a budget mask.
 
         ``rebuild``: build it again, after the parent's weights changed in place (a plan is built for one set
         of weights: :meth:`DecodePlan.stale <model.decode.plan.DecodePlan.stale>`). ``max_copy_bytes``: when
-        it is built, the memory its kernel copies may take (None: the default bound)."""
+        it is built, the memory its weight copies may take (None: the default bound). ``compiled``: when it
+        is built, with compiled one-row steps, compiled and measured at once (:meth:`DecodePlan.warm
+        <model.decode.plan.DecodePlan.warm>`); None: as the plan it replaces was asked (else no)."""
         if self.budget_mask is not None:
             return None
         if self.plan is None or rebuild:
-            self.plan = DecodePlan(self, max_copy_bytes)
+            if compiled is None:
+                compiled = self.plan is not None and self.plan.compile_requested
+            self.plan = DecodePlan(self, max_copy_bytes, compiled=compiled)
+            self.plan.warm()
         return self.plan
 
     def save_pretrained(self, path: str | Path, **kwargs) -> Path:

@@ -313,6 +313,13 @@ def projections(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def default_copy_bytes() -> int:
+    """The bound on a model's decode weight copies when none is given: ``STAR_ELASTIC_DECODE_COPY_MIB``, or
+    4 GiB."""
+    env = os.environ.get("STAR_ELASTIC_DECODE_COPY_MIB")
+    return int(float(env) * 2**20) if env else DEFAULT_MAX_COPY_BYTES
+
+
 def _shape(module: nn.Module) -> tuple[int, int]:
     return (module.out_features, module.in_features)
 
@@ -327,8 +334,7 @@ def prepare_decode_linears(
     """
     start = time.perf_counter()
     if max_copy_bytes is None:
-        env = os.environ.get("STAR_ELASTIC_DECODE_COPY_MIB")
-        max_copy_bytes = int(float(env) * 2**20) if env else DEFAULT_MAX_COPY_BYTES
+        max_copy_bytes = default_copy_bytes()
     table = table or shared_table()
     report = PrepareReport()
     wanted: list[tuple[float, nn.Linear, str, int]] = []

@@ -16,12 +16,16 @@ Build a new plan after replacing a module of its model, too.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache import HybridCache
-from model.decode.kernels import prepare_decode_linears
+from model.decode.compiled import CompiledStep
+from model.decode.kernels import default_copy_bytes, prepare_decode_linears
 from model.decode.layers import STEPS, ReferenceStep
 from model.decode.ops import cast, linear, rms_norm
 from model.hybrid import CausalLMOutput, HybridLM
@@ -35,9 +39,11 @@ class DecodePlan:
     logits-free forward, autograd off. Everything else is the model's own forward.
     """
 
-    def __init__(self, model: HybridLM, max_copy_bytes: int | None = None) -> None:
+    def __init__(self, model: HybridLM, max_copy_bytes: int | None = None, compiled: bool = False) -> None:
         """``max_copy_bytes``: the memory its projections' kernel copies may take
-        (:func:`~model.decode.kernels.prepare_decode_linears`; None: the default bound)."""
+        (:func:`~model.decode.kernels.prepare_decode_linears`; None: the default bound). ``compiled``: one-row
+        steps as one compiled call per layer (:mod:`model.decode.compiled`; CPU only, compiled by
+        :meth:`warm`)."""
         backbone = model.model
         self.model = model
         self.embeddings = backbone.embeddings
@@ -46,6 +52,67 @@ class DecodePlan:
         self.float_residual = model.config.residual_in_fp32
         self.steps = [STEPS.get(block.kind, ReferenceStep)(block) for block in backbone.layers]
         self.kernels = prepare_decode_linears(model, max_copy_bytes=max_copy_bytes)  # measured fastest kernels
+        self.compile_requested = compiled
+        self.compiled: CompiledStep | None = None
+        if compiled and model.lm_head.weight.device.type == "cpu":
+            left = (default_copy_bytes() if max_copy_bytes is None else max_copy_bytes) - self.kernels.copied_bytes
+            self.compiled = CompiledStep(self.steps, self.norm_f, self.lm_head, max(left, 0))
+        self.compile_seconds: float | None = None
+        self.compile_error: str | None = None
+        self.step_ms: dict[str, float] | None = None
+
+    def warm(self, prompt_tokens: int = 16, steps: int = 3, rounds: int = 5, calls: int = 4) -> float:
+        """Compile the compiled steps now, and keep them only where they measure faster than the eager ones.
+
+        On a scratch cache (a prefill of ``prompt_tokens``), ``steps`` one-row steps compile every graph (a
+        first step may grow the attention caches; later ones meet the states' own memory layouts), so that no
+        request pays for it. Then ``rounds`` rounds of ``calls`` steps each, eager and compiled in turns, give
+        each its median time per step (:attr:`step_ms`); compiled steps that are not faster are dropped with
+        their weight copies. Should compiling fail (no C++ compiler, an unsupported operator), the plan keeps
+        its eager steps and :attr:`compile_error` says why. Returns (and keeps) the seconds taken."""
+        if self.compiled is None:
+            return 0.0
+        start = time.perf_counter()
+        compiled, device = self.compiled, self.lm_head.weight.device
+        try:
+            with torch.inference_mode():
+                ids = torch.zeros(1, prompt_tokens, dtype=torch.long, device=device)
+                cache = self.model(ids, use_cache=True, logits_to_keep=1).cache
+                tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+                for _ in range(steps):
+                    self(tok, cache)
+                times: dict[str, list[float]] = {"eager": [], "compiled": []}
+                for _ in range(rounds):
+                    for name, fast in (("eager", None), ("compiled", compiled)):
+                        self.compiled = fast
+                        t = time.perf_counter()
+                        for _ in range(calls):
+                            self(tok, cache)
+                        times[name].append((time.perf_counter() - t) / calls * 1e3)
+            self.step_ms = {k: statistics.median(v) for k, v in times.items()}
+            self.compiled = compiled if self.step_ms["compiled"] < self.step_ms["eager"] else None
+        except Exception as err:  # noqa: BLE001 - any compiler failure leaves the eager plan, reported
+            self.compile_error = f"{type(err).__name__}: {err}".splitlines()[0][:500]
+            self.compiled = None
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    def copied_bytes(self) -> int:
+        """Bytes of weight copies this plan made: its kernels' and its compiled steps'."""
+        return self.kernels.copied_bytes + (self.compiled.copied_bytes if self.compiled is not None else 0)
+
+    def compile_summary(self) -> str:
+        """One line on the compiled steps: kept or not, the measured step times, the time compiling took."""
+        if self.compile_error is not None:
+            return f"compiled steps failed, eager kept ({self.compile_error})"
+        if self.step_ms is None:
+            return "compiled steps " + ("not warmed" if self.compiled is not None else "off")
+        verdict = "kept" if self.compiled is not None else "slower, eager kept"
+        copies = self.compiled.copied_bytes / 2**20 if self.compiled is not None else 0.0
+        return (
+            f"one-row step compiled {self.step_ms['compiled']:.2f} ms vs eager {self.step_ms['eager']:.2f} ms: "
+            f"{verdict} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies)"
+        )
 
     def stale(self) -> bool:
         """Whether a weight changed in place since the plan was built, so that tensors it derived from the
@@ -75,12 +142,17 @@ class DecodePlan:
             x = emb(input_ids.view(-1))
         if self.float_residual:
             x = cast(x, torch.float32)
-        for i, step in enumerate(self.steps):
-            x = step(x, cache, i)
+        done = self.compiled(x, cache) if self.compiled is not None else None
+        if done is not None:
+            h, logits = done
+            logits = logits[:, None]
+        else:
+            for i, step in enumerate(self.steps):
+                x = step(x, cache, i)
+            weight = self.norm_f._parameters["weight"]
+            h = rms_norm(cast(x, weight.dtype), weight, self.norm_f.eps)
+            logits = linear(self.lm_head, h)[:, None]
         cache.seen_tokens += 1
-        weight = self.norm_f._parameters["weight"]
-        h = rms_norm(cast(x, weight.dtype), weight, self.norm_f.eps)
-        logits = linear(self.lm_head, h)[:, None]
         return CausalLMOutput(logits=logits, cache=cache, hidden=h[:, None] if return_hidden else None)
 
 

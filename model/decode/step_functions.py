@@ -1,0 +1,209 @@
+"""The one-row decode step as pure tensor functions, written for ``torch.compile`` (:mod:`model.decode.compiled`).
+
+Each function computes what an eager step of :mod:`model.decode.layers` computes for one row, which is its
+reference: the same dtypes at the same points (projections in the weight's dtype accumulated in float32, the
+SSM recurrence and the router in float32, norms' statistics in float32), the Mamba conv and recurrence through
+the same :func:`~model.mamba.conv_step` / :func:`~model.ssd.ssd_step`. Projections are written as row-by-row
+dot products (:func:`gemv`), which inductor generates as vectorised loops streaming the weight once; a token's
+routed experts are chosen on the device (``topk`` and the selected experts' weights read through their indices
+inside the loops), so that nothing reads a value back to the host and the whole of :func:`segment` is one graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.mamba import conv_step
+from model.ssd import ssd_step
+
+F32 = torch.float32
+
+Projection = tuple[str, list[Tensor], list[Tensor | None]]
+"""What a compiled step multiplies by for one projection: ``("one", [weight], [bias])``; ``("rows", runs,
+biases)`` for a budget's row runs of a parent weight (outputs concatenated); ``("cols", runs, [bias])`` for
+its column runs (the input split to the runs, outputs summed). Weights (out, in), any memory order."""
+
+
+# ---------------------------------------------------------------------- the arithmetic (traced, then compiled)
+def gemv(x: Tensor, w: Tensor) -> Tensor:
+    """One row times a weight: x (in,) float32, w (out, in) -> (out,) float32.
+
+    Written as a product and a sum over the weight's contiguous dimension, which inductor generates as a
+    vectorised loop that streams the weight once: each output's dot product along a row of an outputs-major
+    weight, or, for an inputs-major one, a running sum over its rows."""
+    if w.stride(-1) == 1:
+        return (x * w.to(F32)).sum(-1)
+    return (x[:, None] * w.t().to(F32)).sum(0)
+
+
+def project(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
+    """``linear(x) (+ residual)`` as the eager step computes it: x (1, in) -> (1, out) in the weight's dtype,
+    accumulated in float32; a residual of that dtype is added before the one rounding (the eager GEMM's
+    addend), one of another dtype (a float32 residual stream) after it, promoted."""
+    form, weights, biases = p
+    dtype = weights[0].dtype
+    xf = x.view(-1).to(dtype).to(F32)
+    if form == "rows":
+        parts = [gemv(xf, w) if b is None else gemv(xf, w) + b.to(F32) for w, b in zip(weights, biases, strict=True)]
+        acc = torch.cat(parts)
+    elif form == "cols":
+        pieces = xf.split([w.shape[1] for w in weights])
+        acc = sum(gemv(piece, w) for piece, w in zip(pieces, weights, strict=True))
+        acc = acc if biases[0] is None else acc + biases[0].to(F32)
+    else:
+        acc = gemv(xf, weights[0])
+        acc = acc if biases[0] is None else acc + biases[0].to(F32)
+    acc = acc[None]
+    if residual is not None and residual.dtype == dtype:
+        return (residual.to(F32) + acc).to(dtype)
+    out = acc.to(dtype)
+    return out if residual is None else residual + out
+
+
+def rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """:func:`model.decode.ops.rms_norm` of x cast to the weight's dtype: (rows, d) -> same, that dtype (x's
+    without a weight); statistics and product in float32."""
+    dtype = x.dtype if weight is None else weight.dtype
+    xf = x.to(dtype).to(F32)
+    out = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (out if weight is None else out * weight.to(F32)).to(dtype)
+
+
+def mlp_one(h: Tensor, up: Projection, down: Projection, residual: Tensor) -> Tensor:
+    """``residual + down(relu(up(h))^2)``: h, residual (1, hidden) -> (1, hidden)."""
+    return project(torch.relu(project(h, up)).square(), down, residual)
+
+
+def mlp_step(x: Tensor, norm: Tensor, eps: float, up: Projection, down: Projection) -> Tensor:
+    """An MLP block: x (1, hidden) residual stream -> the block's output (1, hidden)."""
+    return mlp_one(rms(x, norm, eps), up, down, x)
+
+
+def mamba_step(
+    x: Tensor,
+    norm: Tensor,
+    eps: float,
+    in_proj: Projection,
+    conv_state: Tensor,
+    conv_weight: Tensor,
+    conv_bias: Tensor | None,
+    dt_bias: Tensor,
+    A: Tensor,
+    D: Tensor,
+    ssm_state: Tensor,
+    gate_norm: Tensor,
+    gate_eps: float,
+    out_proj: Projection,
+    shape: tuple[tuple[int, ...], tuple[int, ...], int, int, int, int, float, float],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A Mamba block (:class:`~model.decode.layers.MambaStep`): x (1, hidden) -> (output (1, hidden), the new
+    conv state (1, conv_dim, K-1), the new SSM state (1, heads, head_dim, state)).
+
+    ``shape``: (in_proj split sizes [z, xBC, dt], xBC split sizes [x, B, C], heads, head_dim, groups, state
+    size, dt_min, dt_max)."""
+    sizes, xbc_sizes, h, p, g, n, dt_min, dt_max = shape
+    proj = project(rms(x, norm, eps), in_proj)
+    z, xbc, dt = proj.split_with_sizes(list(sizes), -1)
+    act, conv = conv_step(conv_state, xbc, conv_weight, conv_bias)
+    xs, B, C = F.silu(act).split_with_sizes(list(xbc_sizes), -1)
+    dt = F.softplus(dt.to(F32) + dt_bias).clamp(dt_min, dt_max)
+    y, ssm = ssd_step(ssm_state, xs.view(1, h, p), dt, A, B.view(1, g, n), C.view(1, g, n), D)
+    gated = F.silu(z.to(F32)).view(g, -1) * y.view(g, -1)  # gated group norm, float32 statistics
+    gated = rms(gated, None, gate_eps).view(1, -1)
+    gated = gated.to(gate_norm.dtype) * gate_norm
+    return project(gated, out_proj, x), conv, ssm
+
+
+def moe_step(
+    x: Tensor,
+    norm: Tensor,
+    eps: float,
+    gate: Tensor,
+    score_bias: Tensor,
+    up: Tensor,
+    down: Tensor,
+    shared: tuple[Projection, Projection] | None,
+    routing: tuple[int, bool, float],
+) -> Tensor:
+    """A MoE block for one token (:meth:`MoEStep.one <model.decode.layers.MoEStep.one>`): x (1, hidden) ->
+    (1, hidden); up (E, F, H), down (E, H, F); ``routing``: (top_k, renormalise, scaling).
+
+    The router's float32 sigmoid scores, top-k of the scores plus the correction bias, the selected scores
+    renormalised and scaled, and the selected experts' weights read through their indices inside the GEMV
+    loops (no copy of them is made)."""
+    top_k, renormalise, scaling = routing
+    dtype = up.dtype
+    h = rms(x, norm, eps)
+    base = x if shared is None else mlp_one(h, shared[0], shared[1], x)
+    hf = h.view(-1).to(F32)
+    scores = torch.sigmoid(gemv(hf, gate))  # (E,)
+    idx = torch.topk(scores + score_bias.to(F32), top_k, sorted=False).indices  # (k,)
+    w = scores[idx]
+    if renormalise:
+        w = w / (w.sum() + 1e-20)
+    w = w * scaling
+    hq = h.view(-1).to(dtype).to(F32)
+    act = torch.relu((hq * up[idx].to(F32)).sum(-1).to(dtype)).square()  # (k, F)
+    y = (act.to(F32)[:, None, :] * down[idx].to(F32)).sum(-1).to(dtype)  # (k, H)
+    routed = (w[:, None] * y.to(F32)).sum(0, keepdim=True)
+    return (base.to(F32) + routed).to(base.dtype)
+
+
+def attention_in(
+    x: Tensor, norm: Tensor, eps: float, q: Projection, k: Projection, v: Projection
+) -> tuple[Tensor, Tensor, Tensor]:
+    """An attention block's query, key and value of one token: x (1, hidden) -> three (1, out)."""
+    h = rms(x, norm, eps)
+    return project(h, q), project(h, k), project(h, v)
+
+
+def head_step(x: Tensor, norm: Tensor, eps: float, head: Projection) -> Tensor:
+    """The final norm and the LM head: x (1, hidden) -> (normed (1, hidden), logits (1, vocab))."""
+    h = rms(x, norm, eps)
+    return h, project(h, head)
+
+
+def segment(
+    x: Tensor,
+    attention: tuple[Tensor, Projection] | None,
+    layers: list[tuple[str, tuple[Any, ...]]],
+    tail: tuple[str, tuple[Any, ...]],
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]:
+    """The layers between two attention layers as one function: x (1, hidden) -> (x after them, the new
+    (conv, SSM) states of their Mamba layers in order, the tail's outputs).
+
+    ``attention``: the previous attention layer's output (1, heads * head_dim) and its output projection,
+    applied first with the residual (None at the start of the model); ``layers``: ("mamba" | "moe" | "mlp",
+    the arguments of :func:`mamba_step` / :func:`moe_step` / :func:`mlp_step` after x); ``tail``:
+    ("attention", :func:`attention_in`'s arguments after x) for the next attention layer's query, key and
+    value, or ("head", :func:`head_step`'s) for the final norm and the logits."""
+    if attention is not None:
+        x = project(attention[0], attention[1], x)
+    states: list[tuple[Tensor, Tensor]] = []
+    for kind, args in layers:
+        if kind == "mamba":
+            x, conv, ssm = mamba_step(x, *args)
+            states.append((conv, ssm))
+        elif kind == "moe":
+            x = moe_step(x, *args)
+        else:
+            x = mlp_step(x, *args)
+    kind, args = tail
+    return x, states, attention_in(x, *args) if kind == "attention" else head_step(x, *args)
+
+
+__all__ = [
+    "Projection",
+    "attention_in",
+    "gemv",
+    "head_step",
+    "mamba_step",
+    "mlp_step",
+    "moe_step",
+    "project",
+    "segment",
+]

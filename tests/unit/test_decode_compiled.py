@@ -1,0 +1,158 @@
+"""Compiled one-row decode steps (:mod:`model.decode.compiled`) against the eager plan's steps.
+
+The eager steps are the reference (themselves tested against the layers' forward in test_decode_fast_path.py).
+Both decode from copies of one prefill; float32 logits and the caches left behind agree to 1e-5, bfloat16 to
+bfloat16's rounding. Compiling takes a few seconds per distinct model shape, so the models here are few.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.cache import clone_cache
+from model.config import HybridConfig
+from model.decode import DecodePlan
+from model.decode.budget_view import StridedExperts, budget_model
+from model.decode.compiled import CompiledStep
+from model.decode.split_linear import ColSplitLinear, RowSplitLinear
+from model.elastic import Architecture
+from model.hybrid import HybridLM
+from tests.conftest import TINY
+from tests.unit.test_decode_fast_path import _max_diff_caches, _model
+
+pytestmark = pytest.mark.skipif(
+    not torch._inductor.cpp_builder.get_cpp_compiler(), reason="torch.compile on CPU needs a C++ compiler"
+)
+ATOL = 1e-5
+
+
+@torch.no_grad()
+def _decode_both(model: HybridLM, plan: DecodePlan, ids: torch.Tensor, prefill: int, steps: int) -> float:
+    """Greedy-free decoding of ``ids`` after ``prefill`` tokens with ``plan`` and with an eager plan; returns the
+    largest logit difference, after asserting every compiled step ran compiled and the caches agree."""
+    eager = DecodePlan(model)
+    out = model(ids[:, :prefill], use_cache=True)
+    caches = [out.cache, clone_cache(out.cache)]
+    worst = 0.0
+    for t in range(prefill, prefill + steps):
+        tok = ids[:, t : t + 1]
+        assert plan.compiled is not None and plan.compiled.runs(model.model.embeddings(tok.view(-1)), caches[0])
+        fast, ref = plan(tok, caches[0]), eager(tok, caches[1])
+        worst = max(worst, (fast.logits.float() - ref.logits.float()).abs().max().item())
+    assert _max_diff_caches(caches[0], caches[1]) <= ATOL * 10
+    return worst
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_compiled_steps_equal_the_eager_steps_in_float32_across_a_kv_cache_growth():
+    """Every layer kind (Mamba, attention, MoE, MLP) in one compiled step per run of layers; the prefill leaves
+    the KV buffers full, so the first step grows them."""
+    m = _model({})
+    plan = DecodePlan(m, compiled=True)
+    assert plan.warm() > 0 and plan.compile_error is None, plan.compile_summary()
+    plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)  # kept even if slower
+    assert [s.attention for s in plan.compiled.segments] == [1, None]  # pattern M*ME-E: one attention layer
+    assert _decode_both(m, plan, _ids(20), prefill=7, steps=12) <= ATOL
+
+
+@torch.no_grad()
+def test_compiled_steps_hold_bfloat16_to_its_rounding():
+    m = _model({}).to(torch.bfloat16)
+    plan = DecodePlan(m, compiled=True)
+    plan.warm()
+    plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
+    ids = _ids(12, seed=5)
+    out = m(ids[:, :8], use_cache=True)
+    for t in range(8, 12):  # each step from the same state: rounding differences do not accumulate
+        tok = ids[:, t : t + 1]
+        fast, ref = plan(tok, clone_cache(out.cache)), DecodePlan(m)(tok, clone_cache(out.cache))
+        assert fast.logits.dtype == torch.bfloat16
+        assert (fast.logits.float() - ref.logits.float()).abs().max().item() <= 2e-2
+        out = m(tok, cache=out.cache)
+
+
+@pytest.mark.parametrize("copies", [True, False])
+@torch.no_grad()
+def test_a_budget_views_compiled_steps_read_its_runs_prefixes_and_strided_experts(copies):
+    """A budget view: split projections (runs of the parent's rows / columns), inputs-major prefixes and strided
+    expert stacks. With copies the compiled step reads outputs-major contiguous copies of them; without (a
+    zero bound), the views themselves. Both equal the eager steps, and the parent is untouched."""
+    parent = _model({})
+    before = {k: v.clone() for k, v in parent.state_dict().items()}
+    budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2, moe_ffn=8, experts=3))
+    kinds = {type(m) for m in budget.modules()}
+    assert {RowSplitLinear, ColSplitLinear, StridedExperts} <= kinds
+    plan = DecodePlan(budget, max_copy_bytes=None if copies else 0, compiled=True)
+    assert (plan.compiled.copied_bytes > 0) == copies
+    assert bool(plan.compiled.copies) == copies and bool(plan.compiled.expert_copies) == copies
+    assert _decode_both(budget, plan, _ids(16, seed=7), prefill=5, steps=6) <= ATOL
+    assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
+
+
+@torch.no_grad()
+def test_a_weight_changed_in_place_is_never_read_through_a_stale_copy():
+    parent = _model({})
+    budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2))
+    plan = DecodePlan(budget, compiled=True)
+    row = next(m for m in budget.modules() if type(m) is RowSplitLinear)
+    assert id(row) in plan.compiled.copies
+    parent.model.layers[0].mixer.in_proj.weight.mul_(1.5)  # the budget's view sees it; its copy is stale
+    ids = _ids(12, seed=11)
+    assert _decode_both(budget, plan, ids, prefill=6, steps=3) <= ATOL
+    assert id(row) not in plan.compiled.copies
+
+
+@torch.no_grad()
+def test_steps_the_compiled_step_does_not_cover_run_eagerly():
+    """Two rows, and a projection watched by a forward hook (which must see every call), take the eager steps;
+    the results are the eager plan's."""
+    m = _model({})
+    plan = DecodePlan(m, compiled=True)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    out = m(ids[:, :8], use_cache=True)
+    x = m.model.embeddings(ids[:, 8])
+    assert not plan.compiled.runs(x, out.cache)
+    fast, ref = plan(ids[:, 8:], clone_cache(out.cache)), DecodePlan(m)(ids[:, 8:], clone_cache(out.cache))
+    assert torch.equal(fast.logits, ref.logits)
+    seen = []
+    handle = m.model.layers[0].mixer.out_proj.register_forward_hook(lambda *a: seen.append(1))
+    try:
+        one = m(ids[:1, :8], use_cache=True)
+        assert not plan.compiled.runs(m.model.embeddings(ids[:1, 8]), one.cache)
+        seen.clear()  # the prefill called it too
+        plan(ids[:1, 8:], one.cache)
+        assert seen == [1]
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def test_a_compiler_that_fails_leaves_the_eager_plan_and_says_why(tmp_path, monkeypatch):
+    """No usable C++ compiler (a fresh inductor cache, so nothing is reused): warm() reports the failure and the
+    plan decodes eagerly."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    m = HybridLM(HybridConfig(**{**TINY, "hidden_size": 40, "pattern": "ME"})).init_weights(0).eval()
+    plan = DecodePlan(m, compiled=True)
+    with torch._inductor.config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-compiler"))}):
+        plan.warm()
+    assert plan.compiled is None and plan.compile_error
+    assert "failed, eager kept" in plan.compile_summary()
+    ids = _ids(6)
+    out = m(ids[:, :5], use_cache=True)
+    assert torch.allclose(plan(ids[:, 5:], clone_cache(out.cache)).logits, m(ids[:, 5:], cache=out.cache).logits, atol=ATOL)
+
+
+@torch.no_grad()
+def test_warm_measures_both_and_keeps_the_compiled_steps_only_when_faster():
+    m = _model({})
+    plan = DecodePlan(m, compiled=True)
+    plan.warm(rounds=3, calls=2)
+    assert set(plan.step_ms) == {"eager", "compiled"} and all(v > 0 for v in plan.step_ms.values())
+    assert (plan.compiled is not None) == (plan.step_ms["compiled"] < plan.step_ms["eager"])
+    assert "ms vs eager" in plan.compile_summary()
+    assert DecodePlan(m).compile_summary() == "compiled steps off"
