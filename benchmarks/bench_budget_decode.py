@@ -260,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="instead: bench_peers' ~115M family, dense / FP8 / NVFP4, at --batches (family_decode.py)",
     )
-    p.add_argument("--family-formats", default="f32,fp8,nvfp4", help="with --family: comma-separated formats")
+    p.add_argument(
+        "--family-formats",
+        default="f32,fp8,nvfp4",
+        help="with --family: comma-separated formats (f32, fp8, nvfp4; fp8-cached / nvfp4-cached with "
+        "cache_dequantized, f32-compiled with decode_compile)",
+    )
     p.add_argument("--batches", default="1,16", help="with --family: comma-separated batch sizes")
     args = p.parse_args(argv)
     set_threads(args.threads)

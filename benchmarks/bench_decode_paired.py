@@ -107,6 +107,13 @@ def _patch(name: str) -> None:
             return F.rms_norm(x, (x.shape[-1],), w, eps) if x.dtype != torch.float32 else own(x, w, eps)
 
         layers.rms_norm = plan.rms_norm = norm
+    elif name == "compiled":  # serving's decode_compile: compiled one-row steps, kept where they measure faster
+        own = budget_view.BudgetModel.decode_plan
+
+        def compiled_plan(self, rebuild=False, max_copy_bytes=None, compiled=None):
+            return own(self, rebuild, max_copy_bytes, True if compiled is None else compiled)
+
+        budget_view.BudgetModel.decode_plan = compiled_plan
     else:
         raise SystemExit(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
 
@@ -125,6 +132,8 @@ VARIANTS = {
     "no_kernels": "every projection through F.linear on its own weight (no measured transposed / oneDNN copies)",
     "sdpa_attention": "one query through F.scaled_dot_product_attention instead of three GEMMs and a softmax",
     "bf16_fused_norm": "bfloat16 rows normalised by F.rms_norm instead of the float32 vector_norm form",
+    "compiled": "switched ON: one-row steps through compiled steps (model/decode/compiled.py), as serving's "
+    "decode_compile does (compiled and measured at the plan's first step, kept where faster)",
 }
 
 

@@ -6,7 +6,9 @@ once, quantized once to FP8 and once to NVFP4 (weight-only, the default preset),
 it (:meth:`BudgetRegistry.from_checkpoint <model.decode.budget_view.BudgetRegistry.from_checkpoint>`: dense
 budgets are views of one parent copy, quantized ones their own slice of the quantized tensors, dequantized
 per step as serving's default ``cache_dequantized: false`` does; ``fp8-cached`` / ``nvfp4-cached``: the same
-checkpoint with ``cache_dequantized: true``, each budget keeping dense copies of the weights it has used).
+checkpoint with ``cache_dequantized: true``, each budget keeping dense copies of the weights it has used;
+``f32-compiled``: with serving's ``decode_compile``, one-row steps through compiled steps where they measure
+faster).
 
 Per format and batch size, every budget's cached decode step after a ``--prompt``-token prefill of every row:
 the budgets alternate in ``--rounds`` rounds (order reversed every other round, a fresh prefill each time,
@@ -35,6 +37,14 @@ from model.hybrid import HybridLM
 FORMATS = ("f32", "fp8", "nvfp4")
 CACHED = "-cached"
 """Suffix of a quantized format served with ``cache_dequantized`` on (``fp8-cached``)."""
+COMPILED = "-compiled"
+"""Suffix of a format served with ``decode_compile`` on (``f32-compiled``): every budget's plan compiled and
+measured before the timing, its compiled one-row steps kept where faster (model/decode/compiled.py)."""
+
+
+def base_format(fmt: str) -> str:
+    """The checkpoint a format row reads: ``f32`` for ``f32-compiled``, ``fp8`` for ``fp8-cached``."""
+    return fmt.removesuffix(COMPILED).removesuffix(CACHED)
 
 
 def build_family(work: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
@@ -94,14 +104,19 @@ def time_budgets(registry: BudgetRegistry, rows: int, args) -> dict[str, list[fl
 
 def run_family(args, work: Path) -> list[dict[str, Any]]:
     """Rows (format, batch, budget) with step time, tokens/s, speedup over full and the parameter ratio."""
-    paths = build_family(work, tuple(dict.fromkeys(f.removesuffix(CACHED) for f in args.family_formats)))
+    paths = build_family(work, tuple(dict.fromkeys(base_format(f) for f in args.family_formats)))
     config = HybridConfig(**PARENT)
     archs = {name: Architecture(**kw) for name, kw in BUDGETS.items()}
     full_active = count_params(config).active
     rows = []
     for fmt in args.family_formats:
-        cached = fmt.endswith(CACHED)
-        registry = BudgetRegistry.from_checkpoint(paths[fmt.removesuffix(CACHED)], cache_dequantized=cached)
+        cached = fmt.removesuffix(COMPILED).endswith(CACHED)
+        registry = BudgetRegistry.from_checkpoint(paths[base_format(fmt)], cache_dequantized=cached)
+        if fmt.endswith(COMPILED):
+            with torch.inference_mode():
+                for name in registry.names:
+                    plan = registry.get(name).decode_plan(compiled=True)
+                    print(f"  {fmt} {name}: {plan.compile_summary() if plan else 'no plan (masked)'}", flush=True)
         for batch in args.batches:
             start = time.perf_counter()
             steps = time_budgets(registry, batch, args)
@@ -110,7 +125,10 @@ def run_family(args, work: Path) -> list[dict[str, Any]]:
                 active = count_params(config, archs[name]).active
                 speedups = [a / b for a, b in zip(steps[first], steps[name], strict=True)]
                 step = statistics.median(steps[name])
-                row = {"format": fmt, "batch": batch, "budget": name, "mode": registry.get(name).mode,
+                plan = registry.get(name).plan
+                compiled = plan is not None and plan.compiled is not None and batch == 1
+                row = {"format": fmt, "batch": batch, "budget": name,
+                       "mode": registry.get(name).mode + (" + compiled" if compiled else ""),
                        "active_params": active, "step_s": step, "tok_s": batch / step,
                        "speedup": statistics.median(speedups), "param_ratio": full_active / active,
                        "rounds_s": steps[name]}  # fmt: skip
@@ -130,4 +148,4 @@ def family_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]
     return headers, body
 
 
-__all__ = ["FORMATS", "build_family", "family_table", "run_family"]
+__all__ = ["COMPILED", "FORMATS", "base_format", "build_family", "family_table", "run_family"]

@@ -39,16 +39,17 @@ from torch import Tensor, nn
 
 from model.cache import HybridCache, MambaCache
 from model.cache_folder import cache_folder
-from model.decode.kernels import PREPARED, Prepared, joined_weight, source_weight
+from model.decode.kernels import PREPARED, Prepared, joined_weight, source_key, source_weight
 from model.decode.layers import AttentionStep, MambaStep, MLPStep, MoEStep, ReferenceStep, one_query_attention
 from model.decode.ops import hooked
 from model.decode.split_linear import ColSplitLinear, RowSplitLinear
 from model.decode.step_functions import Projection, segment
 from model.moe import Experts
 
-RECOMPILE_LIMIT = 64
-"""Graphs kept per step function (dynamo's default, 8, is fewer than a family's budgets x dtypes x cache
-layouts; past the limit a call would silently run uncompiled)."""
+RECOMPILE_LIMIT = 1024
+"""Graphs kept for :func:`~model.decode.step_functions.segment` in one process: one per segment of every
+model shape and dtype compiled (dynamo's default, 8, is fewer than one model's segments; past the limit a
+compiled call fails and the plan falls back to its eager steps)."""
 
 
 # ---------------------------------------------------------------------- compiling
@@ -164,11 +165,6 @@ def moe_args(
     )
 
 
-def _key(t: Tensor) -> tuple[int, int]:
-    """A tensor's (data pointer, version counter): changes when it is replaced or written in place."""
-    return (t.data_ptr(), t._version)
-
-
 @dataclass
 class Segment:
     """Layers ``layers`` (indices) run by one compiled call, ending in attention layer ``attention`` (its
@@ -247,14 +243,18 @@ class CompiledStep:
             else:
                 joined, bias = joined_weight(m)
                 copy = joined.contiguous()
-            self.copies[id(m)] = Prepared("rows", copy, (weight.data_ptr(), weight._version), nbytes, bias)
+            self.copies[id(m)] = Prepared("rows", copy, source_key(weight), nbytes, bias)
             used += nbytes
         for e in experts:
             up, down = e._parameters["up_proj"], e._parameters["down_proj"]
             nbytes = (up.numel() + down.numel()) * up.element_size()
             if (up.is_contiguous() and down.is_contiguous()) or used + nbytes > max_copy_bytes:
                 continue
-            self.expert_copies[id(e)] = (up.detach().contiguous(), down.detach().contiguous(), _key(up) + _key(down))
+            self.expert_copies[id(e)] = (
+                up.detach().contiguous(),
+                down.detach().contiguous(),
+                source_key(up) + source_key(down),
+            )
             used += nbytes
         return used
 
@@ -274,7 +274,7 @@ class CompiledStep:
         up, down = experts._parameters["up_proj"], experts._parameters["down_proj"]
         copy = self.expert_copies.get(id(experts))
         if copy is not None:
-            if copy[2] == _key(up) + _key(down):
+            if copy[2] == source_key(up) + source_key(down):
                 return copy[0], copy[1]
             del self.expert_copies[id(experts)]
         return up, down

@@ -92,7 +92,14 @@ class Prepared:
     ``nn.Linear``, whose own bias parameter is read at every call."""
 
     def fresh(self, weight: Tensor) -> bool:
-        return (weight.data_ptr(), weight._version) == self.source
+        return source_key(weight) == self.source
+
+
+def source_key(t: Tensor) -> tuple[int, int]:
+    """A tensor's (data pointer, version counter): changes when it is replaced or written in place. An
+    inference tensor (made under ``torch.inference_mode``) has no version counter and cannot be written in
+    place outside it; its version reads as -1."""
+    return (t.data_ptr(), -1 if t.is_inference() else t._version)
 
 
 def source_weight(module: nn.Module) -> Tensor:
@@ -372,7 +379,7 @@ def prepare_decode_linears(
             else:  # the joined matrix is outputs-major: "transposed" (of the inputs-major views) is itself
                 joined, bias = joined_weight(m)
                 copy = joined if kind == "transposed" else make_copy(kind, joined)
-        m.__dict__[PREPARED] = Prepared(kind, copy, (weight.data_ptr(), weight._version), nbytes, bias)
+        m.__dict__[PREPARED] = Prepared(kind, copy, source_key(weight), nbytes, bias)
         used += nbytes
         report.copied_bytes += nbytes
         report.kernels[kind] = report.kernels.get(kind, 0) + 1

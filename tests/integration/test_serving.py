@@ -97,6 +97,7 @@ def test_one_weight_copy_serves_every_budget(http):
     assert stats["models"] == BUDGETS
     assert stats["copied_bytes"]["full"] == 0 and stats["copied_bytes"]["medium"] == 0
     assert stats["copied_bytes"]["small"] < 0.05 * stats["weight_bytes"]  # conv channels only
+    assert stats["decode_steps"] == {name: "compiled steps off" for name in BUDGETS}  # the suite's default
 
 
 # ---------------------------------------------------------------------- chat: httpx

@@ -144,7 +144,9 @@ def test_a_compiler_that_fails_leaves_the_eager_plan_and_says_why(tmp_path, monk
     assert "failed, eager kept" in plan.compile_summary()
     ids = _ids(6)
     out = m(ids[:, :5], use_cache=True)
-    assert torch.allclose(plan(ids[:, 5:], clone_cache(out.cache)).logits, m(ids[:, 5:], cache=out.cache).logits, atol=ATOL)
+    assert torch.allclose(
+        plan(ids[:, 5:], clone_cache(out.cache)).logits, m(ids[:, 5:], cache=out.cache).logits, atol=ATOL
+    )
 
 
 @torch.no_grad()

@@ -1,0 +1,47 @@
+"""A server loaded with compiled one-row decode steps (``ServingConfig.decode_compile``).
+
+The test suite's servers decode eagerly by default (tests/conftest.py); this loads the tiny nested checkpoint
+as a replica does with compiled steps on: every budget's plan is compiled and measured at load, before any
+request, its verdict is in the start-up log and in the replica's memory report, and greedy decoding gives
+the eager plan's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not torch._inductor.cpp_builder.get_cpp_compiler(), reason="torch.compile on CPU needs a C++ compiler"
+    ),
+]
+
+
+@torch.inference_mode()
+def test_compiled_decode_is_compiled_at_load_reported_and_decodes_as_the_eager_plan(tiny_nested_checkpoint, caplog):
+    from components.serving.config import ServingConfig
+    from components.serving.loading import LoadedModel
+    from model.decode import DecodePlan
+
+    with caplog.at_level(logging.INFO, logger="star_elastic.serving"):
+        loaded = LoadedModel.load(tiny_nested_checkpoint, ServingConfig(api_key_env=None, decode_compile=True))
+    ready = [r.getMessage() for r in caplog.records if "decode plans ready" in r.getMessage()]
+    assert len(ready) == 1 and ready[0].count("one-row step compiled") == len(loaded.registry.names), ready
+    for name in loaded.registry.names:
+        budget = loaded.registry.get(name)
+        plan = budget.decode_plan()
+        assert plan.compile_requested and plan.compile_error is None and plan.step_ms is not None
+        assert plan.compile_seconds > 0
+        ids = torch.tensor([[1, 57, 34, 25, 19, 26, 7]])
+        caches = [budget(ids, use_cache=True).cache for _ in range(2)]
+        eager = DecodePlan(budget)
+        tokens = [torch.tensor([[26]])] * 2
+        for _ in range(6):
+            outs = [budget(tokens[0], cache=caches[0]), eager(tokens[1], caches[1])]
+            assert (outs[0].logits - outs[1].logits).abs().max().item() <= 1e-5
+            tokens = [o.logits[:, -1].argmax(-1, keepdim=True) for o in outs]
+            assert torch.equal(tokens[0], tokens[1])
