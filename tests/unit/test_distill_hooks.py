@@ -127,7 +127,11 @@ def test_memory_peaks_report_the_largest_rank_above_its_baseline(tmp_path):
         baseline = heap.restart_resident_peak()
         block = torch.ones((100 + 300 * rank) * 1_000_000 // 4)  # written: every page resident
         peaks = W.memory_peaks(torch.device("cpu"), baseline)
-        print(peaks["memory/host_peak_gb"], peaks["memory/device_peak_gb"])
+        print(peaks["memory/host_peak_gb"], peaks["memory/device_peak_gb"], flush=True)
+        # Both ranks leave together and close the group: a rank exiting while its peer's gloo threads still hold
+        # the connection can abort the peer at exit ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
     """)
     store = tmp_path / "store"
     procs = [
