@@ -295,23 +295,26 @@ class CompiledStep:
             out.append((name, args))
         return out
 
-    def arguments(self, x: Tensor, cache: HybridCache) -> list[list[tuple[str, tuple[Any, ...]]]] | None:
-        """Every segment's layer arguments for :func:`segment`, or None when this step cannot run compiled:
-        more than one row, a layer kind or a projection it cannot read (a hook watches it, quantized), an
-        attention cache not started (no prefill) or padded."""
+    def arguments(self, x: Tensor, cache: HybridCache) -> list[tuple[list[tuple[str, tuple[Any, ...]]], Any]] | None:
+        """Every segment's (layer arguments for :func:`segment`, its attention layer's q, k, v, o projections
+        or None for the last segment), or None when this step cannot run compiled: more than one row, a layer
+        kind or a projection it cannot read (a hook watches it, quantized), an attention cache not started (no
+        prefill) or padded."""
         if x.shape[0] != 1 or not self.covered or self.projection(self.lm_head) is None:
             return None
         plan = []
         for seg in self.segments:
+            ps = None
             if seg.attention is not None:
                 layer = cache.layers[seg.attention]
-                ps = [self.projection(getattr(self.steps[seg.attention], f"{n}_proj")) for n in "qkvo"]
+                step = self.steps[seg.attention]
+                ps = [self.projection(m) for m in (step.q_proj, step.k_proj, step.v_proj, step.o_proj)]
                 if layer is None or layer.length == 0 or layer.pad is not None or any(p is None for p in ps):
                     return None
             args = self.layer_args(cache, seg)
             if args is None:
                 return None
-            plan.append(args)
+            plan.append((args, ps))
         return plan
 
     def runs(self, x: Tensor, cache: HybridCache) -> bool:
@@ -326,20 +329,21 @@ class CompiledStep:
             return None
         fn = compiled_segment()
         attention: tuple[Tensor, Projection] | None = None
-        for seg, layers in zip(self.segments, plan, strict=True):
+        for seg, (layers, ps) in zip(self.segments, plan, strict=True):
             if seg.attention is None:
                 tail = ("head", (self.norm_f._parameters["weight"], self.norm_f.eps, self.projection(self.lm_head)))
             else:
-                step = self.steps[seg.attention]
-                ps = [self.projection(p) for p in (step.q_proj, step.k_proj, step.v_proj)]
-                tail = ("attention", (step.norm_params["weight"], step.eps, *ps))
+                tail = (
+                    "attention",
+                    (self.steps[seg.attention].norm_params["weight"], self.steps[seg.attention].eps, *ps[:3]),
+                )
             x, states, outs = fn(x, attention, layers, tail)
             mambas = [i for i in seg.layers if type(self.steps[i]) is MambaStep]
             for i, (conv, ssm) in zip(mambas, states, strict=True):
                 cache.layers[i] = MambaCache(conv, ssm)
             if seg.attention is None:
                 return outs[0], outs[1]
-            attention = (self.attend(seg.attention, cache, *outs), self.projection(self.steps[seg.attention].o_proj))
+            attention = (self.attend(seg.attention, cache, *outs), ps[3])
         raise AssertionError("the last segment ends in the head")
 
     def attend(self, index: int, cache: HybridCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
