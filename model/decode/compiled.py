@@ -102,6 +102,31 @@ def projection(module: nn.Module) -> Projection | None:
 
 
 # ---------------------------------------------------------------------- each layer's arguments
+def canonical_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a fresh row-major buffer of ``shape`` (size-1 dimensions included: a graph's guards
+    compare every stride, where ``is_contiguous`` ignores those of size-1 dimensions)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def state_layout(conv: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor]:
+    """A Mamba layer's states in the one layout the compiled steps are compiled for and return: the conv state
+    (rows, conv_dim, K-1) time-major in a buffer of its own, the SSM state (rows, heads, head_dim, state)
+    row-major. A prefill leaves the conv state as a view of its last K-1 inputs, whose row stride is the
+    prompt's length times conv_dim; read as it is, every prompt length would be a new graph (a compile at the
+    first step after each new length), so such a state is copied once (a few KB)."""
+    rows, channels, taps = conv.shape
+    if conv.stride() != (channels * taps, 1, channels):
+        fresh = conv.new_empty((rows, taps, channels))
+        conv = fresh.copy_(conv.transpose(1, 2)).transpose(1, 2)
+    if ssm.stride() != canonical_strides(tuple(ssm.shape)):
+        ssm = ssm.new_empty(ssm.shape).copy_(ssm)
+    return conv, ssm
+
+
 ProjectionOf = Callable[[nn.Module], "Projection | None"]
 
 
@@ -120,17 +145,18 @@ def mamba_args(step: MambaStep, layer: object, projection: ProjectionOf) -> tupl
     if step.sources() != step.key:  # a weight was replaced (moved, cast, reassigned)
         step.derive()
     shape = (tuple(step.sizes), tuple(step.xbc_sizes), step.heads, step.head_dim, step.groups, step.state)
+    conv, ssm = state_layout(layer.conv, layer.ssm)
     return (
         step.norm_params["weight"],
         step.eps,
         in_p,
-        layer.conv,
+        conv,
         step.conv_weight,
         step.conv["bias"],
         step.dt_bias,
         step.A,
         step.D,
-        layer.ssm,
+        ssm,
         step.norm_weight["weight"],
         step.norm_eps,
         out_p,
@@ -360,4 +386,4 @@ class CompiledStep:
         return one_query_attention(q.view(1, kv, heads // kv, d), keys, values, None).view(1, heads * d)
 
 
-__all__ = ["CompiledStep", "compiled_decode_default", "compiled_segment", "projection"]
+__all__ = ["CompiledStep", "compiled_decode_default", "compiled_segment", "projection", "state_layout"]

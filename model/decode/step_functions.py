@@ -109,9 +109,10 @@ def mamba_step(
     proj = project(rms(x, norm, eps), in_proj)
     z, xbc, dt = proj.split_with_sizes(list(sizes), -1)
     act, conv = conv_step(conv_state, xbc, conv_weight, conv_bias)
-    # The new state in its own time-major buffer, the layout a prefill leaves: one layout, one graph (a view of
-    # the window would differ in its batch stride and compile a second graph for every later step).
-    conv = conv.transpose(1, 2).contiguous().transpose(1, 2)
+    # The new state in a time-major buffer of its own (:func:`model.decode.compiled.state_layout`'s layout): one
+    # layout, one graph. A view of the window would differ in its row stride, and ``contiguous`` would keep that
+    # view for one row (a size-1 dimension's stride does not count for it; the graphs' guards compare it).
+    conv = conv.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
     xs, B, C = F.silu(act).split_with_sizes(list(xbc_sizes), -1)
     dt = F.softplus(dt.to(F32) + dt_bias).clamp(dt_min, dt_max)
     y, ssm = ssd_step(ssm_state, xs.view(1, h, p), dt, A, B.view(1, g, n), C.view(1, g, n), D)

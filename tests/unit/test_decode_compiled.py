@@ -158,3 +158,28 @@ def test_warm_measures_both_and_keeps_the_compiled_steps_only_when_faster():
     assert (plan.compiled is not None) == (plan.step_ms["compiled"] < plan.step_ms["eager"])
     assert "ms vs eager" in plan.compile_summary()
     assert DecodePlan(m).compile_summary() == "compiled steps off"
+
+
+@torch.no_grad()
+def test_prompts_of_any_length_reuse_the_warm_graphs():
+    """A prefill leaves each conv state as a view whose row stride depends on the prompt's length; the compiled
+    step takes it in its own layout, so requests with new prompt lengths never compile (a compile under traffic
+    costs seconds), and the states it returns keep that layout."""
+    m = _model({})
+    plan = DecodePlan(m, compiled=True)
+    plan.warm(prompt_tokens=16)
+    plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
+    eager = DecodePlan(m)
+    for length in (5, 9, 23):
+        ids = _ids(length + 3, seed=length)
+        out = m(ids[:, :length], use_cache=True)
+        caches = [out.cache, clone_cache(out.cache)]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for t in range(length, length + 3):
+                fast = plan(ids[:, t : t + 1], caches[0])
+                ref = eager(ids[:, t : t + 1], caches[1])
+                assert (fast.logits - ref.logits).abs().max().item() <= ATOL
+        for layer in caches[0].layers:
+            if hasattr(layer, "conv"):
+                rows, channels, taps = layer.conv.shape
+                assert layer.conv.stride() == (channels * taps, 1, channels)
