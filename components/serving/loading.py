@@ -68,6 +68,10 @@ class LoadedModel:
         from model.elastic.params import count_params
         from model.hybrid import HybridLM
 
+        if config.torch_threads:
+            # Before the decode plans are built: their kernel measurements and compiled steps hold for one thread
+            # count (a compiled graph guards on it: a decode thread on another count would compile again).
+            torch.set_num_threads(config.torch_threads)
         folder = Path(folder)
         warning = no_manifest_warning(folder)
         if warning:

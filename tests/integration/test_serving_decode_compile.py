@@ -45,3 +45,43 @@ def test_compiled_decode_is_compiled_at_load_reported_and_decodes_as_the_eager_p
             assert (outs[0].logits - outs[1].logits).abs().max().item() <= 1e-5
             tokens = [o.logits[:, -1].argmax(-1, keepdim=True) for o in outs]
             assert torch.equal(tokens[0], tokens[1])
+
+
+def test_requests_never_compile_whatever_the_prompt_length_or_the_replicas_thread_count(tiny_nested_checkpoint):
+    """Every graph is compiled at load: requests of new prompt lengths, decoded on the engine's own thread with
+    the replica's thread count (a graph guards on it; a count other than the one compiled for would compile
+    again, seconds under traffic), compile nothing."""
+    import asyncio
+
+    from components.serving.config import ServingConfig
+    from components.serving.engine import Engine
+    from components.serving.job import Job
+    from components.serving.loading import LoadedModel
+    from model.decode.compiled import CompiledStep
+    from model.generate import SamplingParams
+
+    before = torch.get_num_threads()
+    threads = 1 if before != 1 else 2
+    cfg = ServingConfig(api_key_env=None, decode_compile=True, torch_threads=threads, think_limit=8)
+    try:
+        loaded = LoadedModel.load(tiny_nested_checkpoint, cfg)
+        plan = loaded.registry.get("full").decode_plan()
+        plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)  # kept even if slower
+        engine = Engine(loaded, cfg).start()
+        prompts = [loaded.tokenizer.encode(f"<bos>Q:{q}\n<think>") for q in ("1", "2+3*4", "9-1+2*2-7")]
+
+        async def serve() -> None:
+            loop = asyncio.get_running_loop()
+            for prompt in prompts:  # one at a time: every step a one-row step, the compiled path
+                job = Job(prompt, "full", "full", 4, 6, SamplingParams(), (), False, loop)
+                engine.submit(job)
+                while (event := await job.events.get())[1] not in ("done", "error"):
+                    pass
+                assert event[1] == "done", event
+
+        with torch.compiler.set_stance("fail_on_recompile"):
+            asyncio.run(serve())
+        engine.stop()
+        assert engine.error is None
+    finally:
+        torch.set_num_threads(before)
