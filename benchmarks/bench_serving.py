@@ -150,7 +150,10 @@ def throughput(ckpt: Path, args) -> list[dict[str, Any]]:
                     if key not in best or row["tokens_s"] > best[key]["tokens_s"]:
                         best[key] = {**row, "mode": mode}
         for mode in modes:
-            engine = httpx.get(f"{urls[mode]}/stats", timeout=30).json()["engine"]
+            stats = httpx.get(f"{urls[mode]}/stats", timeout=30).json()
+            engine = stats["engine"]
+            steps = stats.get("decode_steps", {})
+            print(f"{mode}: decode steps " + "; ".join(f"{n}: {v}" for n, v in steps.items()), flush=True)
             for clients in args.clients:
                 best[(mode, clients)]["max_batch_size_seen"] = engine["max_batch_size"]
                 best[(mode, clients)]["joined_running_batches"] = engine.get("joined_running_batches", 0)

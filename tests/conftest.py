@@ -10,10 +10,14 @@ import torch
 
 from model.config import HybridConfig
 
-# Servers started by the tests decode eagerly unless a test asks for compiled steps (ServingConfig.decode_compile):
-# compiling every test server's steps would cost minutes; tests/unit/test_decode_compiled.py and the serving
-# test that turns them on cover them.
-os.environ.setdefault("STAR_ELASTIC_DECODE_COMPILE", "0")
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Servers started by the tests decode eagerly unless a test asks for compiled steps
+    (ServingConfig.decode_compile): compiling every test server's steps would cost minutes;
+    tests/unit/test_decode_compiled.py and the serving tests that turn them on cover them. Set here, under
+    pytest only: a benchmark importing a helper from this module keeps serving's own default."""
+    os.environ.setdefault("STAR_ELASTIC_DECODE_COMPILE", "0")
+
 
 SCHEMAS_ENV = "STAR_ELASTIC_SCHEMAS"
 """Environment variable naming the folder of schema sets (``kuberay/`` with the KubeRay CRDs)."""
