@@ -52,6 +52,13 @@ compiled call fails and the plan falls back to its eager steps)."""
 
 
 # ---------------------------------------------------------------------- compiling
+# Inductor's generated code is kept in the project's cache folder (a user's own setting wins), so that a later
+# process on this machine reuses it instead of compiling again. Set on import: inductor writes its own default
+# (a temporary folder) into the variable the first time anything asks for its cache folder, which a kernel
+# measurement or a compiler check can do before the first compiled step.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_folder() / "inductor"))
+
+
 def compiled_decode_default() -> bool:
     """Whether serving compiles its one-row decode steps unless told: yes, but ``STAR_ELASTIC_DECODE_COMPILE=0``
     says no (a test suite that starts many servers, a machine without a C++ compiler)."""
@@ -65,9 +72,6 @@ def compiled_segment() -> Callable[..., Any]:
     """:func:`segment`, compiled (once per process; a graph per distinct argument shapes, on first call)."""
     global _COMPILED
     if _COMPILED is None:
-        # Inductor's generated code is kept in the project's cache folder (a user's own setting wins), so a
-        # later process on this machine reuses it instead of compiling again.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_folder() / "inductor"))
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
