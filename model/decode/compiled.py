@@ -1,14 +1,16 @@
-"""Compiled one-row decode steps: the layers between two attention layers as one compiled call (CPU).
+"""Compiled one-row decode steps: a whole step as one compiled call (CPU).
 
 Besides reading its weights, a one-row step of the eager plan pays on a CPU for the interpreter and the
 dispatch of some thirty small operators per layer, and for library GEMV kernels that read weights below the
-machine's bandwidth on small shapes. Here
-the step is the pure tensor functions of :mod:`model.decode.step_functions`, compiled with ``torch.compile``
-(inductor, whole graph, static shapes) a run of layers at a time (:func:`~model.decode.step_functions.segment`):
-one call from one attention layer to the next, whose norms, activations, conv / SSM updates, routing and GEMVs
-run as generated C++ loops; between two calls, the attention layer's cache write and attention, as its eager
-step does them (a KV length that changes every step stays out of the graphs). A model with three attention
-layers takes four calls per token instead of several hundred operators.
+machine's bandwidth on small shapes. Here the step is the pure tensor functions of
+:mod:`model.decode.step_functions`, compiled with ``torch.compile`` (inductor, whole graph) as one function
+(:func:`~model.decode.step_functions.step`): every layer's norms, activations, conv / SSM updates, routing and
+GEMVs run as generated C++ loops, and each attention layer writes its key and value into its KV buffer in
+place and attends the buffer's written slots (:func:`~model.decode.step_functions.attend`). The history's
+length is data (a slot index), and the buffer's capacity, which doubles as the history grows
+(:meth:`KVCache.reserve <model.cache.KVCache.reserve>`, outside the graph), is the graph's one dynamic
+dimension: one graph per model shape serves every length. One call per token instead of several hundred
+operators.
 
 The generated GEMV streams an outputs-major contiguous matrix fastest. Weights stored otherwise, as a budget
 view's are (inputs-major, runs of rows, row prefixes, strided expert stacks: :mod:`model.decode.budget_view`),
@@ -39,10 +41,11 @@ from torch import Tensor, nn
 from model.cache import HybridCache, MambaCache
 from model.cache_folder import cache_folder
 from model.decode.kernels import PREPARED, Prepared, joined_weight, source_key, source_weight
-from model.decode.layers import AttentionStep, MambaStep, MLPStep, MoEStep, ReferenceStep, one_query_attention
+from model.decode.layers import AttentionStep, MambaStep, MLPStep, MoEStep, ReferenceStep
 from model.decode.ops import hooked
 from model.decode.split_linear import ColSplitLinear, RowSplitLinear
-from model.decode.step_functions import Projection, segment
+from model.decode.step_functions import Projection
+from model.decode.step_functions import step as step_function
 from model.moe import Experts
 
 RECOMPILE_LIMIT = 1024
@@ -68,14 +71,15 @@ def compiled_decode_default() -> bool:
 _COMPILED: Callable[..., Any] | None = None
 
 
-def compiled_segment() -> Callable[..., Any]:
-    """:func:`segment`, compiled (once per process; a graph per distinct argument shapes, on first call)."""
+def compiled_step() -> Callable[..., Any]:
+    """:func:`~model.decode.step_functions.step`, compiled (once per process; a graph per model shape and dtype,
+    compiled on its first call; the KV buffers' capacity is the one dimension left dynamic, by the caller)."""
     global _COMPILED
     if _COMPILED is None:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
-        _COMPILED = torch.compile(segment, fullgraph=True, dynamic=False)
+        _COMPILED = torch.compile(step_function, fullgraph=True, dynamic=False)
     return _COMPILED
 
 
@@ -326,20 +330,23 @@ class CompiledStep:
         return out
 
     def arguments(self, x: Tensor, cache: HybridCache) -> list[tuple[list[tuple[str, tuple[Any, ...]]], Any]] | None:
-        """Every segment's (layer arguments for :func:`segment`, its attention layer's q, k, v, o projections
-        or None for the last segment), or None when this step cannot run compiled: more than one row, a layer
-        kind or a projection it cannot read (a hook watches it, quantized), an attention cache not started (no
-        prefill) or padded."""
-        if x.shape[0] != 1 or not self.covered or self.projection(self.lm_head) is None:
+        """Every segment's (layer arguments for :func:`~model.decode.step_functions.segment`, then its attention
+        layer's q, k, v, o projections, or the LM head's projection for the last segment), or None when this
+        step cannot run compiled: more than one row, a layer kind or a projection it cannot read (a hook watches
+        it, quantized), an attention cache not started (no prefill) or padded."""
+        if x.shape[0] != 1 or not self.covered:
             return None
         plan = []
         for seg in self.segments:
-            ps = None
             if seg.attention is not None:
                 layer = cache.layers[seg.attention]
                 step = self.steps[seg.attention]
                 ps = [self.projection(m) for m in (step.q_proj, step.k_proj, step.v_proj, step.o_proj)]
                 if layer is None or layer.length == 0 or layer.pad is not None or any(p is None for p in ps):
+                    return None
+            else:
+                ps = self.projection(self.lm_head)
+                if ps is None:
                     return None
             args = self.layer_args(cache, seg)
             if args is None:
@@ -357,37 +364,28 @@ class CompiledStep:
         plan = self.arguments(x, cache)
         if plan is None:
             return None
-        fn = compiled_segment()
-        attention: tuple[Tensor, Projection] | None = None
+        segments, attentions, kv_layers = [], [], []
         for seg, (layers, ps) in zip(self.segments, plan, strict=True):
             if seg.attention is None:
-                tail = ("head", (self.norm_f._parameters["weight"], self.norm_f.eps, self.projection(self.lm_head)))
-            else:
-                tail = (
-                    "attention",
-                    (self.steps[seg.attention].norm_params["weight"], self.steps[seg.attention].eps, *ps[:3]),
-                )
-            x, states, outs = fn(x, attention, layers, tail)
+                segments.append((layers, ("head", (self.norm_f._parameters["weight"], self.norm_f.eps, ps))))
+                continue
+            step, layer = self.steps[seg.attention], cache.layers[seg.attention]
+            segments.append((layers, ("attention", (step.norm_params["weight"], step.eps, *ps[:3]))))
+            layer.reserve(layer.length + 1)  # a full buffer doubles here, outside the graph
+            # The capacity grows with the history: the one dynamic dimension, so one graph serves every length.
+            torch._dynamo.maybe_mark_dynamic(layer.k, 2)
+            torch._dynamo.maybe_mark_dynamic(layer.v, 2)
+            pos = torch.full((1,), layer.length, dtype=torch.long, device=layer.k.device)
+            attentions.append((layer.k, layer.v, pos, (step.kv, step.heads, step.d), ps[3]))
+            kv_layers.append(layer)
+        _, states, (h, logits) = compiled_step()(x, segments, attentions)
+        for seg, new in zip(self.segments, states, strict=True):
             mambas = [i for i in seg.layers if type(self.steps[i]) is MambaStep]
-            for i, (conv, ssm) in zip(mambas, states, strict=True):
+            for i, (conv, ssm) in zip(mambas, new, strict=True):
                 cache.layers[i] = MambaCache(conv, ssm)
-            if seg.attention is None:
-                return outs[0], outs[1]
-            attention = (self.attend(seg.attention, cache, *outs), ps[3])
-        raise AssertionError("the last segment ends in the head")
-
-    def attend(self, index: int, cache: HybridCache, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write one token's key / value (1, kv * d) into layer ``index``'s cache (grown when full) and return
-        its attention output (1, heads * d), as :class:`~model.decode.layers.AttentionStep` does."""
-        step, layer = self.steps[index], cache.layers[index]
-        kv, d, heads = step.kv, step.d, step.heads
-        past = layer.length
-        layer.reserve(past + 1)
-        layer.k.select(2, past).copy_(k.view(1, kv, d))
-        layer.v.select(2, past).copy_(v.view(1, kv, d))
-        layer.length = n = past + 1
-        keys, values = layer.k.narrow(2, 0, n), layer.v.narrow(2, 0, n)
-        return one_query_attention(q.view(1, kv, heads // kv, d), keys, values, None).view(1, heads * d)
+        for layer in kv_layers:
+            layer.length += 1
+        return h, logits
 
 
-__all__ = ["CompiledStep", "compiled_decode_default", "compiled_segment", "projection", "state_layout"]
+__all__ = ["CompiledStep", "compiled_decode_default", "compiled_step", "projection", "state_layout"]

@@ -6,7 +6,7 @@ SSM recurrence and the router in float32, norms' statistics in float32), the Mam
 the same :func:`~model.mamba.conv_step` / :func:`~model.ssd.ssd_step`. Projections are written as row-by-row
 dot products (:func:`gemv`), which inductor generates as vectorised loops streaming the weight once; a token's
 routed experts are chosen on the device (``topk`` and the selected experts' weights read through their indices
-inside the loops), so that nothing reads a value back to the host and the whole of :func:`segment` is one graph.
+inside the loops), so that nothing reads a value back to the host and the whole of :func:`step` is one graph.
 """
 
 from __future__ import annotations
@@ -200,8 +200,53 @@ def segment(
     return x, states, attention_in(x, *args) if kind == "attention" else head_step(x, *args)
 
 
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, geometry: tuple[int, int, int]
+) -> Tensor:
+    """One token's attention with its key and value written into the cache first (what
+    :class:`~model.decode.layers.AttentionStep` does between its projections, for one unpadded row).
+
+    q (1, heads * d), k / v (1, kv * d); k_cache / v_cache (1, kv, capacity, d), written in place at slot ``pos``
+    (a (1,) int64 tensor: the position is data, so one graph serves every length); ``geometry``: (kv heads,
+    query heads, head_dim). The query attends slots ``0..pos`` of the whole buffer, the slots after it masked:
+    the buffer's capacity, not the history's length, is the shape the graph sees (marked dynamic by the
+    caller), so a growing history never compiles again. :func:`~model.decode.layers.one_query_attention`'s
+    arithmetic: float32 scores, softmax and weighted sum, cast back to q's dtype. Returns (1, heads * d)."""
+    kv, heads, d = geometry
+    k_cache.index_copy_(2, pos, k.view(1, kv, 1, d).to(k_cache.dtype))
+    v_cache.index_copy_(2, pos, v.view(1, kv, 1, d).to(v_cache.dtype))
+    scores = torch.matmul(q.view(1, kv, heads // kv, d).to(F32), k_cache.to(F32).transpose(2, 3)) * d**-0.5
+    later = torch.arange(k_cache.shape[2], device=pos.device) > pos  # slots not written yet
+    weights = torch.softmax(scores.masked_fill(later, float("-inf")), -1)
+    return torch.matmul(weights, v_cache.to(F32)).to(q.dtype).view(1, heads * d)
+
+
+def step(
+    x: Tensor,
+    segments: list[tuple[list[tuple[str, tuple[Any, ...]]], tuple[str, tuple[Any, ...]]]],
+    attentions: list[tuple[Tensor, Tensor, Tensor, tuple[int, int, int], Projection]],
+) -> tuple[Tensor, list[list[tuple[Tensor, Tensor]]], tuple[Tensor, ...]]:
+    """A whole one-row decode step: x (1, hidden) embedded token -> (x after the last layer, each segment's new
+    Mamba states, (normed final hidden (1, hidden), logits (1, vocab))).
+
+    ``segments``: per run of layers between attention layers, (its layers, its tail) as :func:`segment` takes
+    them; ``attentions``: per attention layer ending a segment, (k_cache, v_cache, pos, geometry, o_proj) for
+    :func:`attend` and the output projection the next segment applies first."""
+    attention: tuple[Tensor, Projection] | None = None
+    states: list[list[tuple[Tensor, Tensor]]] = []
+    for i, (layers, tail) in enumerate(segments):
+        x, new, outs = segment(x, attention, layers, tail)
+        states.append(new)
+        if i == len(attentions):
+            return x, states, outs
+        k_cache, v_cache, pos, geometry, o_proj = attentions[i]
+        attention = (attend(*outs, k_cache, v_cache, pos, geometry), o_proj)
+    raise ValueError("step: the last segment must end in the head")
+
+
 __all__ = [
     "Projection",
+    "attend",
     "attention_in",
     "gemv",
     "head_step",
@@ -210,4 +255,5 @@ __all__ = [
     "moe_step",
     "project",
     "segment",
+    "step",
 ]
