@@ -47,6 +47,7 @@ class Engine:
         self.text = PromptRules(loaded.tokenizer).visible_text  # what a client is shown of generated ids
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
+        self.threads = torch.get_num_threads()
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -94,6 +95,10 @@ class Engine:
 
     # ------------------------------------------------------------------ decode thread
     def _run(self) -> None:
+        # The thread count the decode plans were compiled with (LoadedModel.load sets the replica's), in this
+        # thread too: a new thread does not always start with the count set in another, and a compiled step
+        # called with another count compiles again.
+        torch.set_num_threads(self.threads)
         try:
             with torch.inference_mode():
                 while not self._stop.is_set():
