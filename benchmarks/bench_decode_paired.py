@@ -21,6 +21,9 @@ follows: a piece of speed machinery stays when switching it off makes some serve
     python benchmarks/bench_decode_paired.py --side before=/tmp/decode-before --side after=. \\
         --json runs/bench_decode_paired.json
     python benchmarks/bench_decode_paired.py --side plan=. --side linear=.:plain_linear --dtype float32
+    python benchmarks/bench_decode_paired.py --side on=.:compiled --side argmax=.:compiled+plain_argmax --batch 1
+
+A VARIANT may join several with ``+``. Each timed step includes the greedy pick a served step makes.
 """
 
 from __future__ import annotations
@@ -114,6 +117,10 @@ def _patch(name: str) -> None:
             return own(self, rebuild, max_copy_bytes, True if compiled is None else compiled)
 
         budget_view.BudgetModel.decode_plan = compiled_plan
+    elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
+        from model import generate
+
+        generate.greedy_tokens = lambda logits: logits.argmax(-1)
     else:
         raise SystemExit(f"unknown variant {name!r}; known: {sorted(VARIANTS)}")
 
@@ -134,6 +141,7 @@ VARIANTS = {
     "bf16_fused_norm": "bfloat16 rows normalised by F.rms_norm instead of the float32 vector_norm form",
     "compiled": "switched ON: one-row steps through compiled steps (model/decode/compiled.py), as serving's "
     "decode_compile does (compiled and measured at the plan's first step, kept where faster)",
+    "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 
 
@@ -147,8 +155,8 @@ def _worker(tree: str, variant: str, args: argparse.Namespace) -> None:
 
     if not Path(model.__file__).resolve().is_relative_to(Path(tree).resolve()):
         raise SystemExit(f"worker for {tree} imported model from {model.__file__}")
-    if variant:
-        _patch(variant)
+    for name in filter(None, variant.split("+")):  # e.g. compiled+plain_argmax
+        _patch(name)
     try:
         from model.decode.budget_view import BudgetRegistry
     except ImportError:  # an older checkout
@@ -169,6 +177,13 @@ def _worker(tree: str, variant: str, args: argparse.Namespace) -> None:
             d: BudgetRegistry.from_checkpoint(args.checkpoint, dtype=getattr(torch, d), **served) for d in args.dtype
         }
     vocab = registries[args.dtype[0]].full.config.vocab_size
+    from model import generate
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        """Serving's greedy pick: this tree's own (an older one's: argmax on the logits as they are)."""
+        own = getattr(generate, "greedy_tokens", None)
+        return own(logits) if own is not None else logits.argmax(-1)
+
     print(json.dumps({"ready": True, "model": str(Path(model.__file__).parent)}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -178,12 +193,13 @@ def _worker(tree: str, variant: str, args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {"wall": [], "cpu": []}
         with torch.no_grad():
             out = budget(ids, use_cache=True, logits_to_keep=1)
-            cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            cache, tok = out.cache, pick(out.logits[:, -1])[:, None]
             for i in range(2 + args.steps):
                 wall, cpu = time.perf_counter(), time.thread_time()
                 out = budget(tok, cache=cache)
+                tok = pick(out.logits[:, -1])[:, None]  # the greedy pick a served step makes, timed with it
                 cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
-                cache, tok = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+                cache = out.cache
                 if i >= 2:
                     times["wall"].append(wall)
                     times["cpu"].append(cpu)
@@ -199,8 +215,9 @@ class Side:
         tree, _, variant = where.partition(":")
         if not name or not tree:
             raise SystemExit(f"--side {spec!r}: expected NAME=TREE or NAME=TREE:VARIANT")
-        if variant and variant not in VARIANTS:
-            raise SystemExit(f"--side {spec!r}: unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+        unknown = [v for v in variant.split("+") if v and v not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"--side {spec!r}: unknown variant {unknown[0]!r}; known: {sorted(VARIANTS)}")
         self.name, self.tree, self.variant = name, str(Path(tree).resolve()), variant
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", self.tree, variant, *argv]
@@ -258,7 +275,8 @@ def run(args: argparse.Namespace, worker_argv: list[str]) -> dict[str, Any]:
     print(f"load average at start {load_start}, at end {load_end}; {args.threads} torch thread(s), "
           f"{args.rounds} rounds, fastest of {args.steps} steps per round")  # fmt: skip
     for side in sides:
-        note = f" (variant {side.variant}: {VARIANTS[side.variant]})" if side.variant else ""
+        parts = [f"{v}: {VARIANTS[v]}" for v in side.variant.split("+") if v]
+        note = f" (variant {'; '.join(parts)})" if parts else ""
         print(f"  {side.name}: {side.model}{note}")
     return {
         "command": " ".join(sys.argv),

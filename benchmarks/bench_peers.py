@@ -93,7 +93,7 @@ from benchmarks.peers_llamacpp import (  # noqa: E402
 )
 from model.config import HybridConfig  # noqa: E402
 from model.elastic import Architecture, count_params  # noqa: E402
-from model.generate import SamplingParams, generate  # noqa: E402
+from model.generate import SamplingParams, generate, greedy_tokens  # noqa: E402
 from model.hybrid import HybridLM  # noqa: E402
 from model.mamba import Mamba2Mixer  # noqa: E402
 
@@ -111,8 +111,8 @@ KV_TYPE = {"f32": "f32", "bf16": "bf16", "nvfp4": "f32", FLOOR_OFF: "f32"}
 class OurEngine:
     """Our decode path at batch 1: prefill with the model's forward, then single-token steps through the
     model's decode plan (:class:`model.decode.plan.DecodePlan`; ``compiled``: with its compiled one-row steps,
-    compiled and measured against the eager ones before any timing, kept only where faster), greedy by argmax
-    (ties: the lowest id)."""
+    compiled and measured against the eager ones before any timing, kept only where faster), greedy as serving
+    picks (:func:`~model.generate.greedy_tokens`: argmax, ties to the lowest id)."""
 
     def __init__(self, model: HybridLM, compiled: bool = True) -> None:
         from model.decode.plan import DecodePlan
@@ -126,13 +126,13 @@ class OurEngine:
     def prefill(self, prompt: list[int]) -> int:
         res = self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
         self.cache = res.cache
-        return int(res.logits[0, -1].argmax())
+        return int(greedy_tokens(res.logits[0, -1]))
 
     def step(self, token: int) -> int:
         self._tok[0, 0] = token
         res = self.plan(self._tok, self.cache)
         self.cache = res.cache
-        return int(res.logits[0, -1].argmax())
+        return int(greedy_tokens(res.logits[0, -1]))
 
 
 def load_ours(folder: Path, fmt: str) -> HybridLM:

@@ -123,7 +123,7 @@ class Group(gen.RowGroup):
         """Sample one token for every row; returns (rows that got a token, rows that finished)."""
         rows, logits = self.rows, self.logits
         masked = self.masked_logits()
-        greedy = logits.argmax(-1).tolist() if any(r.greedy for r in rows) else None
+        greedy = gen.greedy_tokens(logits).tolist() if any(r.greedy for r in rows) else None
         stepped, finished, keep = [], [], []
         for j, row in enumerate(rows):
             if row.matcher is not None and j not in masked:  # the grammar allows no token: the row fails
@@ -132,7 +132,7 @@ class Group(gen.RowGroup):
                 continue
             own = masked.get(j, logits[j : j + 1])
             if row.greedy:
-                tok = int(own.argmax(-1)) if j in masked else greedy[j]
+                tok = int(gen.greedy_tokens(own)) if j in masked else greedy[j]
             else:
                 tok = int(gen.sample_next(own, row.params, row.gen))
             row.tokens.append(tok)

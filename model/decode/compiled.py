@@ -49,8 +49,8 @@ from model.decode.step_functions import step as step_function
 from model.moe import Experts
 
 RECOMPILE_LIMIT = 1024
-"""Graphs kept for :func:`~model.decode.step_functions.segment` in one process: one per segment of every
-model shape and dtype compiled (dynamo's default, 8, is fewer than one model's segments; past the limit a
+"""Graphs kept for :func:`~model.decode.step_functions.step` in one process: one per model shape, dtype and
+weight layout compiled (dynamo's default, 8, is fewer than a family's budgets in two dtypes; past the limit a
 compiled call fails and the plan falls back to its eager steps)."""
 
 
@@ -208,10 +208,10 @@ class Segment:
 
 
 class CompiledStep:
-    """A decode plan's one-row step as one compiled call per run of layers between attention layers
-    (:func:`segment`), each attention layer's cache write and attention between them, as its eager step does
-    them. Built by :class:`~model.decode.plan.DecodePlan` from its eager steps, which it reads (their
-    modules, their derived tensors) and falls back to."""
+    """A decode plan's one-row step as one compiled call (:func:`~model.decode.step_functions.step`): the runs
+    of layers between attention layers (its segments), each attention layer's cache write and attention
+    between them, as the eager steps do them. Built by :class:`~model.decode.plan.DecodePlan` from its eager
+    steps, which it reads (their modules, their derived tensors) and falls back to."""
 
     def __init__(
         self, steps: list[ReferenceStep], norm_f: nn.Module, lm_head: nn.Module, max_copy_bytes: int = 0
@@ -388,4 +388,10 @@ class CompiledStep:
         return h, logits
 
 
-__all__ = ["CompiledStep", "compiled_decode_default", "compiled_step", "projection", "state_layout"]
+__all__ = [
+    "CompiledStep",
+    "compiled_decode_default",
+    "compiled_step",
+    "projection",
+    "state_layout",
+]

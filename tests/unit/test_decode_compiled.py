@@ -183,3 +183,20 @@ def test_prompts_of_any_length_reuse_the_warm_graphs():
             if hasattr(layer, "conv"):
                 rows, channels, taps = layer.conv.shape
                 assert layer.conv.stride() == (channels * taps, 1, channels)
+
+
+@torch.no_grad()
+def test_a_weight_in_another_memory_order_gets_a_graph_of_its_own():
+    """Graphs are shared by every plan of one model shape; one compiled for an outputs-major weight is never run
+    on a weight of the same shape stored inputs-major (same values, transposed storage): the graph's guards on
+    strides send it to a graph of its own, and both decode as the eager steps do."""
+    m = _model({})
+    plan = DecodePlan(m, compiled=True, max_copy_bytes=0)
+    plan.compiled = CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
+    assert _decode_both(m, plan, _ids(12, seed=13), prefill=6, steps=2) <= ATOL
+    out_proj = m.model.layers[0].mixer.out_proj
+    out_proj.weight.data = out_proj.weight.data.t().contiguous().t()  # inputs-major storage, same values
+    plan = DecodePlan(m, compiled=True, max_copy_bytes=0)
+    plan.compiled = CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
+    assert plan.compiled.projection(out_proj)[1][0].stride(-1) != 1
+    assert _decode_both(m, plan, _ids(12, seed=13), prefill=6, steps=2) <= ATOL

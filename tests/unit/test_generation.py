@@ -119,3 +119,17 @@ def test_resuming_from_a_saved_state_equals_decoding_through(model):
     tail = decode_rows(model, [RowStart(extra, state)], SamplingParams(max_new_tokens=4))[0].tokens
     ref, _ = generate(model, [prompt + row.tokens[: j + 1] + extra], SamplingParams(max_new_tokens=4))
     assert tail == ref[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_take_the_first_largest_logit_in_any_dtype(dtype):
+    """Half precision is compared in float32 (exactly), so the pick is the logits' own argmax, ties to the
+    lowest id, in the logits' own dtype."""
+    from model.generate import greedy_tokens
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 17] = logits[1, 700] = logits[1].max() + 1  # a tie: the lower id wins
+    picks = greedy_tokens(logits)
+    assert picks.tolist() == logits.argmax(-1).tolist()
+    assert picks[1].item() == 17
+    assert greedy_tokens(logits[0]).item() == picks[0].item()
