@@ -117,6 +117,18 @@ def _patch(name: str) -> None:
             return own(self, rebuild, max_copy_bytes, True if compiled is None else compiled)
 
         budget_view.BudgetModel.decode_plan = compiled_plan
+    elif name == "one_row_compiled":  # with 'compiled': batches of several rows keep the eager steps
+        from model.decode.compiled import CompiledStep
+
+        init = CompiledStep.__init__
+
+        def one_row_only(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self.several_rows = False
+
+        CompiledStep.__init__ = one_row_only
+        warm = plan.DecodePlan.warm
+        plan.DecodePlan.warm = lambda self, *a, **kw: warm(self, *a, **{**kw, "rows": 0})
     elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
         from model import generate
 
@@ -141,6 +153,7 @@ VARIANTS = {
     "bf16_fused_norm": "bfloat16 rows normalised by F.rms_norm instead of the float32 vector_norm form",
     "compiled": "switched ON: one-row steps through compiled steps (model/decode/compiled.py), as serving's "
     "decode_compile does (compiled and measured at the plan's first step, kept where faster)",
+    "one_row_compiled": "with 'compiled': only one-row steps compiled; several rows take the eager steps",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 
@@ -191,7 +204,7 @@ def _worker(tree: str, variant: str, args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (req["batch"], args.prompt), generator=g)
         times: dict[str, list[float]] = {"wall": [], "cpu": []}
-        with torch.no_grad():
+        with torch.inference_mode():  # as serving decodes (and compiled steps are compiled)
             out = budget(ids, use_cache=True, logits_to_keep=1)
             cache, tok = out.cache, pick(out.logits[:, -1])[:, None]
             for i in range(2 + args.steps):

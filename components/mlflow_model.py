@@ -389,15 +389,12 @@ class StarElasticModel(mlflow.pyfunc.PythonModel):
     """The pyfunc: loads the checkpoint artifact once, answers :class:`GenerationRequest` rows on any budget."""
 
     def load_context(self, context: Any) -> None:
-        import torch
 
         from components.serving.config import ServingConfig
         from components.serving.loading import LoadedModel
 
         self.config = ServingConfig.model_validate(dict(context.model_config or {}))
-        if self.config.torch_threads:
-            torch.set_num_threads(self.config.torch_threads)
-        self.loaded = LoadedModel.load(context.artifacts[CHECKPOINT_ARTIFACT], self.config)
+        self.loaded = LoadedModel.load(context.artifacts[CHECKPOINT_ARTIFACT], self.config)  # sets torch_threads
         self.grammars: Grammars | None = None  # compiled grammars, kept across predict calls
         try:
             from components.serving.grammar import Grammars

@@ -192,10 +192,11 @@ class ServingConfig(BaseModel):
     )
     decode_compile: bool = Field(
         default_factory=compiled_decode_default,
-        description="CPU decode: a stream decoding alone (one row) steps through compiled layer steps "
-        "(model/decode/compiled.py; torch.compile, needs a C++ compiler), compiled at start-up and kept for a "
-        "budget only where they measure faster than the eager steps; their outputs-major weight copies count "
-        "against decode_copy_mib. Default: on (STAR_ELASTIC_DECODE_COMPILE=0 turns the default off).",
+        description="CPU decode: each decode step, one row (a stream decoding alone) or several (a batch of any "
+        "size), as one compiled call (model/decode/compiled.py; torch.compile, needs a C++ compiler), compiled "
+        "at start-up and kept for a budget and row count only where it measures faster than the eager steps; "
+        "its outputs-major weight copies count against decode_copy_mib. Default: on "
+        "(STAR_ELASTIC_DECODE_COMPILE=0 turns the default off).",
     )
     torch_threads: int | None = Field(
         None,

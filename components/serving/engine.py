@@ -45,9 +45,7 @@ class Engine:
         self.loaded, self.config = loaded, config
         self.tokenizer, self.tokens = loaded.tokenizer, loaded.tokens
         self.text = PromptRules(loaded.tokenizer).visible_text  # what a client is shown of generated ids
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        self.threads = torch.get_num_threads()
+        self.threads = loaded.threads  # the count its decode plans were compiled with (LoadedModel.threads)
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -95,9 +93,8 @@ class Engine:
 
     # ------------------------------------------------------------------ decode thread
     def _run(self) -> None:
-        # The thread count the decode plans were compiled with (LoadedModel.load sets the replica's), in this
-        # thread too: a new thread does not always start with the count set in another, and a compiled step
-        # called with another count compiles again.
+        # A new thread does not always start with the count set in another; a compiled step called with another
+        # count than its plan's compiles again.
         torch.set_num_threads(self.threads)
         try:
             with torch.inference_mode():

@@ -61,6 +61,11 @@ class LoadedModel:
     cards: dict[str, BudgetCard]
     format: str
     folder: Path
+    threads: int
+    """The torch thread count the decode plans were built, measured and compiled with: the replica's
+    ``torch_threads``, set here before the plans, or the process's count. The decode thread runs with it
+    (:class:`~components.serving.engine.Engine`): a compiled graph guards on the count, so any other would
+    compile every graph again under traffic."""
 
     @classmethod
     def load(cls, folder: str | Path, config: ServingConfig) -> LoadedModel:
@@ -68,9 +73,7 @@ class LoadedModel:
         from model.elastic.params import count_params
         from model.hybrid import HybridLM
 
-        if config.torch_threads:
-            # Before the decode plans are built: their kernel measurements and compiled steps hold for one thread
-            # count (a compiled graph guards on it: a decode thread on another count would compile again).
+        if config.torch_threads:  # before the decode plans are built: they hold for one count (threads)
             torch.set_num_threads(config.torch_threads)
         folder = Path(folder)
         warning = no_manifest_warning(folder)
@@ -117,7 +120,8 @@ class LoadedModel:
         prepare_decode(registry, copy_bytes, config.decode_compile)
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
-        return cls(registry, tokenizer, PhaseTokens.from_tokenizer(tokenizer), cards, fmt, folder)
+        tokens = PhaseTokens.from_tokenizer(tokenizer)
+        return cls(registry, tokenizer, tokens, cards, fmt, folder, torch.get_num_threads())
 
 
 def prepare_decode(registry: BudgetRegistry, max_copy_bytes: int | None = None, compiled: bool = False) -> None:

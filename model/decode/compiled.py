@@ -1,31 +1,35 @@
-"""Compiled one-row decode steps: a whole step as one compiled call (CPU).
+"""Compiled decode steps: a whole step, of one row or several, as one compiled call (CPU).
 
-Besides reading its weights, a one-row step of the eager plan pays on a CPU for the interpreter and the
-dispatch of some thirty small operators per layer, and for library GEMV kernels that read weights below the
-machine's bandwidth on small shapes. Here the step is the pure tensor functions of
-:mod:`model.decode.step_functions`, compiled with ``torch.compile`` (inductor, whole graph) as one function
-(:func:`~model.decode.step_functions.step`): every layer's norms, activations, conv / SSM updates, routing and
-GEMVs run as generated C++ loops, and each attention layer writes its key and value into its KV buffer in
-place and attends the buffer's written slots (:func:`~model.decode.step_functions.attend`). The history's
-length is data (a slot index), and the buffer's capacity, which doubles as the history grows
-(:meth:`KVCache.reserve <model.cache.KVCache.reserve>`, outside the graph), is the graph's one dynamic
-dimension: one graph per model shape serves every length. One call per token instead of several hundred
-operators.
+Besides reading its weights, a decode step of the eager plan pays on a CPU for the interpreter and the
+dispatch of some thirty small operators per layer, for library GEMV kernels that read weights below the
+machine's bandwidth on small shapes and, with several rows, for one pass over memory per operator of the
+Mamba states' update. Here the step is the pure tensor functions of :mod:`model.decode.step_functions`,
+compiled with ``torch.compile`` (inductor, whole graph) as one function
+(:func:`~model.decode.step_functions.step`): every layer's norms, activations, conv / SSM updates, routing
+and (for one row) GEMVs run as generated C++ loops, and each attention layer writes its key and value into
+its KV buffer in place and attends the buffer's written slots (:func:`~model.decode.step_functions.attend`).
+The history's length is data (a slot index), and the buffer's capacity, which doubles as the history grows
+(:meth:`KVCache.reserve <model.cache.KVCache.reserve>`, outside the graph), is a dynamic dimension: one graph
+per model shape serves every length. One call per token instead of several hundred operators.
+
+One row (a stream decoding alone: the latency case, where dispatch weighs most) and several rows are two
+graphs. In the second the row count is dynamic too (marked on every per-row argument), so one graph serves
+every batch of two rows or more, with or without left padding (:class:`~model.cache.KVCache`'s ``pad``): no
+batch-size buckets to compile, none to pad to. Its projections are library GEMMs (each weight read once for
+all rows) and its routed experts a grouped GEMM (half precision) or the dense pass (float32).
 
 The generated GEMV streams an outputs-major contiguous matrix fastest. Weights stored otherwise, as a budget
 view's are (inputs-major, runs of rows, row prefixes, strided expert stacks: :mod:`model.decode.budget_view`),
 are read through outputs-major copies, made when the step is built within a memory bound
 (:meth:`CompiledStep.copy_weights`), or as they are beyond it.
 
-Only one row per step (a stream decoding alone: the latency case, and the case dispatch dominates); several
-rows take the eager steps, whose GEMMs read each weight once for all rows. A step with a layer the compiled
-functions cannot read (a hooked or quantized projection, quantized or observed experts, an unknown layer kind)
-runs eagerly as a whole. Graphs are compiled once per process and per distinct (shapes, strides, dtypes) of
-their arguments, so budgets of one shape share them; inductor keeps the generated code in
-``$TORCHINDUCTOR_CACHE_DIR`` (by default under the project's cache folder), so a later process on the same
-machine compiles from it. :class:`~model.decode.plan.DecodePlan` builds a :class:`CompiledStep` when asked
-(``compiled=True``); :meth:`~model.decode.plan.DecodePlan.warm` compiles it and keeps it only where it
-measures faster than the eager steps.
+A step with a layer the compiled functions cannot read (a hooked or quantized projection, quantized or
+observed experts, an unknown layer kind) runs eagerly as a whole. Graphs are compiled once per process and
+per distinct (shapes, strides, dtypes) of their arguments, so budgets of one shape share them; inductor keeps
+the generated code in ``$TORCHINDUCTOR_CACHE_DIR`` (by default under the project's cache folder), so a later
+process on the same machine compiles from it. :class:`~model.decode.plan.DecodePlan` builds a
+:class:`CompiledStep` when asked (``compiled=True``); :meth:`~model.decode.plan.DecodePlan.warm` compiles both
+graphs and keeps each only where it measures faster than the eager steps.
 """
 
 from __future__ import annotations
@@ -229,6 +233,9 @@ class CompiledStep:
                 current.append(i)
         self.segments.append(Segment(current, None))
         self.covered = all(type(s) in (MambaStep, MoEStep, MLPStep, AttentionStep) for s in steps)
+        self.one_row = True  # which steps run compiled: one row, several rows (DecodePlan.warm decides)
+        self.several_rows = True
+        self._zeros: dict[tuple[int, torch.device], Tensor] = {}
         self.copies: dict[int, Prepared] = {}
         self.expert_copies: dict[int, tuple[Tensor, Tensor, tuple[int, ...]]] = {}
         self.copied_bytes = self.copy_weights(max_copy_bytes)
@@ -332,9 +339,10 @@ class CompiledStep:
     def arguments(self, x: Tensor, cache: HybridCache) -> list[tuple[list[tuple[str, tuple[Any, ...]]], Any]] | None:
         """Every segment's (layer arguments for :func:`~model.decode.step_functions.segment`, then its attention
         layer's q, k, v, o projections, or the LM head's projection for the last segment), or None when this
-        step cannot run compiled: more than one row, a layer kind or a projection it cannot read (a hook watches
-        it, quantized), an attention cache not started (no prefill) or padded."""
-        if x.shape[0] != 1 or not self.covered:
+        step cannot run compiled: a row count it is switched off for (:attr:`one_row`, :attr:`several_rows`),
+        a layer kind or a projection it cannot read (a hook watches it, quantized), an attention cache not
+        started (no prefill)."""
+        if not self.covered or not (self.one_row if x.shape[0] == 1 else self.several_rows):
             return None
         plan = []
         for seg in self.segments:
@@ -342,7 +350,7 @@ class CompiledStep:
                 layer = cache.layers[seg.attention]
                 step = self.steps[seg.attention]
                 ps = [self.projection(m) for m in (step.q_proj, step.k_proj, step.v_proj, step.o_proj)]
-                if layer is None or layer.length == 0 or layer.pad is not None or any(p is None for p in ps):
+                if layer is None or layer.length == 0 or any(p is None for p in ps):
                     return None
             else:
                 ps = self.projection(self.lm_head)
@@ -358,12 +366,27 @@ class CompiledStep:
         """Whether a step on this embedded token x (rows, hidden) and this cache runs compiled."""
         return self.arguments(x, cache) is not None
 
+    def no_pad(self, rows: int, device: torch.device) -> Tensor:
+        """(rows,) zeros: the padding of rows that have none (one graph for padded and unpadded batches)."""
+        key = (rows, device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = torch.zeros(rows, dtype=torch.long, device=device)
+        return zeros
+
     def __call__(self, x: Tensor, cache: HybridCache) -> tuple[Tensor, Tensor] | None:
-        """x: (1, hidden) embedded token -> (normed final hidden (1, hidden), logits (1, vocab)), advancing
-        ``cache``; None (nothing done) when the step cannot run compiled (:meth:`arguments`)."""
+        """x: (rows, hidden) embedded tokens -> (normed final hidden (rows, hidden), logits (rows, vocab)),
+        advancing ``cache``; None (nothing done) when the step cannot run compiled (:meth:`arguments`).
+
+        One row and several rows are separate graphs; in the latter the row count is a dynamic dimension
+        (marked on every per-row argument), so one graph serves every batch of two rows or more."""
         plan = self.arguments(x, cache)
         if plan is None:
             return None
+        rows = x.shape[0]
+        mark = torch._dynamo.maybe_mark_dynamic
+        if rows > 1:
+            mark(x, 0)
         segments, attentions, kv_layers = [], [], []
         for seg, (layers, ps) in zip(self.segments, plan, strict=True):
             if seg.attention is None:
@@ -372,12 +395,30 @@ class CompiledStep:
             step, layer = self.steps[seg.attention], cache.layers[seg.attention]
             segments.append((layers, ("attention", (step.norm_params["weight"], step.eps, *ps[:3]))))
             layer.reserve(layer.length + 1)  # a full buffer doubles here, outside the graph
-            # The capacity grows with the history: the one dynamic dimension, so one graph serves every length.
-            torch._dynamo.maybe_mark_dynamic(layer.k, 2)
-            torch._dynamo.maybe_mark_dynamic(layer.v, 2)
+            if layer.k.stride() != canonical_strides(tuple(layer.k.shape)):
+                # A batch whose rows left with their shared leading padding trimmed (HybridCache.select) holds
+                # a view of a wider buffer: its own buffer once, or each such view would be a graph of its own.
+                # (new_empty: ``contiguous`` keeps a view whose only odd stride is a size-1 dimension's)
+                layer.k, layer.v = (
+                    layer.k.new_empty(layer.k.shape).copy_(layer.k),
+                    layer.v.new_empty(layer.v.shape).copy_(layer.v),
+                )
+            # The capacity grows with the history: a dynamic dimension, so one graph serves every length.
+            mark(layer.k, 2)
+            mark(layer.v, 2)
+            pad = layer.pad if layer.pad is not None else self.no_pad(rows, layer.k.device)
+            if rows > 1:
+                for t in (layer.k, layer.v, pad):
+                    mark(t, 0)
             pos = torch.full((1,), layer.length, dtype=torch.long, device=layer.k.device)
-            attentions.append((layer.k, layer.v, pos, (step.kv, step.heads, step.d), ps[3]))
+            attentions.append((layer.k, layer.v, pos, pad, (step.kv, step.heads, step.d), ps[3]))
             kv_layers.append(layer)
+        if rows > 1:
+            for layers, _ in segments:
+                for kind, args in layers:
+                    if kind == "mamba":  # the conv and SSM states
+                        mark(args[3], 0)
+                        mark(args[9], 0)
         _, states, (h, logits) = compiled_step()(x, segments, attentions)
         for seg, new in zip(self.segments, states, strict=True):
             mambas = [i for i in seg.layers if type(self.steps[i]) is MambaStep]

@@ -41,9 +41,8 @@ class DecodePlan:
 
     def __init__(self, model: HybridLM, max_copy_bytes: int | None = None, compiled: bool = False) -> None:
         """``max_copy_bytes``: the memory its projections' kernel copies may take
-        (:func:`~model.decode.kernels.prepare_decode_linears`; None: the default bound). ``compiled``: one-row
-        steps as one compiled call per layer (:mod:`model.decode.compiled`; CPU only, compiled by
-        :meth:`warm`)."""
+        (:func:`~model.decode.kernels.prepare_decode_linears`; None: the default bound). ``compiled``: each step
+        as one compiled call (:mod:`model.decode.compiled`; CPU only, compiled by :meth:`warm`)."""
         backbone = model.model
         self.model = model
         self.embeddings = backbone.embeddings
@@ -59,43 +58,62 @@ class DecodePlan:
             self.compiled = CompiledStep(self.steps, self.norm_f, self.lm_head, max(left, 0))
         self.compile_seconds: float | None = None
         self.compile_error: str | None = None
-        self.step_ms: dict[str, float] | None = None
+        self.step_ms: dict[str, float] | None = None  # one-row step, eager and compiled (ms), measured by warm
+        self.rows_ms: dict[str, float] | None = None  # the same at rows_ms_rows rows
+        self.rows_ms_rows = 0
 
-    def warm(self, prompt_tokens: int = 16, steps: int = 3, rounds: int = 5, calls: int = 4) -> float:
+    def warm(self, prompt_tokens: int = 16, steps: int = 3, rounds: int = 5, calls: int = 4, rows: int = 4) -> float:
         """Compile the compiled steps now, and keep them only where they measure faster than the eager ones.
 
-        On a scratch cache (a prefill of ``prompt_tokens``), ``steps`` one-row steps compile every graph (a
-        first step may grow the attention caches; later ones meet the states' own memory layouts), so that no
-        request pays for it. Then ``rounds`` rounds of ``calls`` steps each, eager and compiled in turns, give
-        each its median time per step (:attr:`step_ms`); compiled steps that are not faster are dropped with
-        their weight copies. Should compiling fail (no C++ compiler, an unsupported operator), the plan keeps
-        its eager steps and :attr:`compile_error` says why. Returns (and keeps) the seconds taken."""
+        For one row and for ``rows`` rows (0: one row only), on a scratch cache (a prefill of ``prompt_tokens``),
+        ``steps`` steps compile the graph (a first step may grow the attention caches; later ones meet the
+        states' own memory layouts), so that no request pays for it; several rows compile the graph every
+        batch of two rows or more runs (the row count is dynamic in it). Then ``rounds`` rounds of ``calls``
+        steps each, eager and compiled in turns, give each its median time per step (:attr:`step_ms` for one
+        row, :attr:`rows_ms` for several); the compiled step is switched off where it is not faster, and
+        dropped with its weight copies where it is faster for neither. Should compiling fail (no C++
+        compiler, an unsupported operator), the plan keeps its eager steps and :attr:`compile_error` says why.
+        Returns (and keeps) the seconds taken."""
         if self.compiled is None:
             return 0.0
         start = time.perf_counter()
-        compiled, device = self.compiled, self.lm_head.weight.device
+        compiled = self.compiled
         try:
-            with torch.inference_mode():
-                ids = torch.zeros(1, prompt_tokens, dtype=torch.long, device=device)
-                cache = self.model(ids, use_cache=True, logits_to_keep=1).cache
-                tok = torch.zeros(1, 1, dtype=torch.long, device=device)
-                for _ in range(steps):
-                    self(tok, cache)
-                times: dict[str, list[float]] = {"eager": [], "compiled": []}
-                for _ in range(rounds):
-                    for name, fast in (("eager", None), ("compiled", compiled)):
-                        self.compiled = fast
-                        t = time.perf_counter()
-                        for _ in range(calls):
-                            self(tok, cache)
-                        times[name].append((time.perf_counter() - t) / calls * 1e3)
-            self.step_ms = {k: statistics.median(v) for k, v in times.items()}
-            self.compiled = compiled if self.step_ms["compiled"] < self.step_ms["eager"] else None
+            self.step_ms = self._measure(compiled, 1, prompt_tokens, steps, rounds, calls)
+            compiled.one_row = self.step_ms["compiled"] < self.step_ms["eager"]
+            if rows > 1:
+                self.rows_ms_rows = rows
+                self.rows_ms = self._measure(compiled, rows, prompt_tokens, steps, rounds, calls)
+                compiled.several_rows = self.rows_ms["compiled"] < self.rows_ms["eager"]
+            self.compiled = compiled if compiled.one_row or (rows > 1 and compiled.several_rows) else None
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves the eager plan, reported
             self.compile_error = f"{type(err).__name__}: {err}".splitlines()[0][:500]
             self.compiled = None
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
+
+    def _measure(
+        self, compiled: CompiledStep, rows: int, prompt_tokens: int, steps: int, rounds: int, calls: int
+    ) -> dict[str, float]:
+        """Compile ``compiled`` for ``rows`` rows, then its median step time and the eager steps' (ms)."""
+        device = self.lm_head.weight.device
+        with torch.inference_mode():
+            ids = torch.zeros(rows, prompt_tokens, dtype=torch.long, device=device)
+            cache = self.model(ids, use_cache=True, logits_to_keep=1).cache
+            tok = torch.zeros(rows, 1, dtype=torch.long, device=device)
+            self.compiled = compiled
+            for _ in range(steps):
+                self(tok, cache)
+            times: dict[str, list[float]] = {"eager": [], "compiled": []}
+            for _ in range(rounds):
+                for name, fast in (("eager", None), ("compiled", compiled)):
+                    self.compiled = fast
+                    t = time.perf_counter()
+                    for _ in range(calls):
+                        self(tok, cache)
+                    times[name].append((time.perf_counter() - t) / calls * 1e3)
+        self.compiled = compiled
+        return {k: statistics.median(v) for k, v in times.items()}
 
     def copied_bytes(self) -> int:
         """Bytes of weight copies this plan made: its kernels' and its compiled steps'."""
@@ -107,12 +125,17 @@ class DecodePlan:
             return f"compiled steps failed, eager kept ({self.compile_error})"
         if self.step_ms is None:
             return "compiled steps " + ("not warmed" if self.compiled is not None else "off")
-        verdict = "kept" if self.compiled is not None else "slower, eager kept"
-        copies = self.compiled.copied_bytes / 2**20 if self.compiled is not None else 0.0
-        return (
-            f"one-row step compiled {self.step_ms['compiled']:.2f} ms vs eager {self.step_ms['eager']:.2f} ms: "
-            f"{verdict} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies)"
+        kept = self.compiled
+        parts = [("one-row step", self.step_ms, kept is not None and kept.one_row)]
+        if self.rows_ms is not None:
+            parts.append((f"{self.rows_ms_rows}-row step", self.rows_ms, kept is not None and kept.several_rows))
+        copies = kept.copied_bytes / 2**20 if kept is not None else 0.0
+        verdicts = "; ".join(
+            f"{name} compiled {ms['compiled']:.2f} ms vs eager {ms['eager']:.2f} ms: "
+            + ("kept" if on else "slower, eager kept")
+            for name, ms, on in parts
         )
+        return f"{verdicts} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies)"
 
     def stale(self) -> bool:
         """Whether a weight changed in place since the plan was built, so that tensors it derived from the

@@ -1,12 +1,18 @@
-"""The one-row decode step as pure tensor functions, written for ``torch.compile`` (:mod:`model.decode.compiled`).
+"""The decode step as pure tensor functions, written for ``torch.compile`` (:mod:`model.decode.compiled`).
 
-Each function computes what an eager step of :mod:`model.decode.layers` computes for one row, which is its
-reference: the same dtypes at the same points (projections in the weight's dtype accumulated in float32, the
-SSM recurrence and the router in float32, norms' statistics in float32), the Mamba conv and recurrence through
-the same :func:`~model.mamba.conv_step` / :func:`~model.ssd.ssd_step`. Projections are written as row-by-row
-dot products (:func:`gemv`), which inductor generates as vectorised loops streaming the weight once; a token's
-routed experts are chosen on the device (``topk`` and the selected experts' weights read through their indices
-inside the loops), so that nothing reads a value back to the host and the whole of :func:`step` is one graph.
+Each function computes what an eager step of :mod:`model.decode.layers` computes for its rows (one token per
+row), which is its reference: the same dtypes at the same points (projections in the weight's dtype
+accumulated in float32, the SSM recurrence and the router in float32, norms' statistics in float32), the
+Mamba conv and recurrence through the same :func:`~model.mamba.conv_step` / :func:`~model.ssd.ssd_step`.
+
+One row (the latency case) and several rows are traced apart (a graph's row count is 1, or a dynamic size of
+at least 2). One row: projections are written as dot products (:func:`gemv`), which inductor generates as
+vectorised loops streaming the weight once, and a token's routed experts are chosen on the device (``topk``,
+the selected experts' weights read through their indices inside the loops). Several rows: projections are
+GEMMs (the library kernel, reading each weight once for all rows) and the routed experts take the grouped
+path or the dense pass (:func:`moe_rows`), so that the norms, the conv
+and SSM updates, the routing and the attention around them fuse into a few loops. Nothing reads a value
+back to the host: the whole of :func:`step` is one graph.
 """
 
 from __future__ import annotations
@@ -40,10 +46,34 @@ def gemv(x: Tensor, w: Tensor) -> Tensor:
     return (x[:, None] * w.t().to(F32)).sum(0)
 
 
+def project_rows(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
+    """:func:`project` of several rows: x (rows, in) -> (rows, out), a GEMM per weight in the weight's dtype (a
+    library kernel in the graph, as the eager step calls); the residual added as :func:`project` adds it."""
+    form, weights, biases = p
+    dtype = weights[0].dtype
+    x = x.to(dtype)
+    if form == "rows":
+        out = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], -1)
+    elif form == "cols":
+        pieces = x.split([w.shape[1] for w in weights], -1)
+        out = sum(F.linear(piece, w) for piece, w in zip(pieces, weights, strict=True))
+        out = out if biases[0] is None else out + biases[0]
+    elif residual is not None and residual.dtype == dtype and biases[0] is None:
+        return torch.addmm(residual, x, weights[0].t())  # the residual as the GEMM's addend, one rounding
+    else:
+        out = F.linear(x, weights[0], biases[0])
+    if residual is None:
+        return out
+    return (residual.to(F32) + out.to(F32)).to(dtype) if residual.dtype == dtype else residual + out
+
+
 def project(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
-    """``linear(x) (+ residual)`` as the eager step computes it: x (1, in) -> (1, out) in the weight's dtype,
-    accumulated in float32; a residual of that dtype is added before the one rounding (the eager GEMM's
-    addend), one of another dtype (a float32 residual stream) after it, promoted."""
+    """``linear(x) (+ residual)`` as the eager step computes it: x (rows, in) -> (rows, out) in the weight's
+    dtype, accumulated in float32; a residual of that dtype is added before the one rounding (the eager GEMM's
+    addend), one of another dtype (a float32 residual stream) after it, promoted. Several rows:
+    :func:`project_rows`."""
+    if x.shape[0] != 1:
+        return project_rows(x, p, residual)
     form, weights, biases = p
     dtype = weights[0].dtype
     xf = x.view(-1).to(dtype).to(F32)
@@ -65,7 +95,7 @@ def project(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
 
 
 def rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    """:func:`model.decode.ops.rms_norm` of x cast to the weight's dtype: (rows, d) -> same, that dtype (x's
+    """:func:`model.decode.ops.rms_norm` of x cast to the weight's dtype: (..., d) -> same, that dtype (x's
     without a weight); statistics and product in float32."""
     dtype = x.dtype if weight is None else weight.dtype
     xf = x.to(dtype).to(F32)
@@ -74,12 +104,12 @@ def rms(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 def mlp_one(h: Tensor, up: Projection, down: Projection, residual: Tensor) -> Tensor:
-    """``residual + down(relu(up(h))^2)``: h, residual (1, hidden) -> (1, hidden)."""
+    """``residual + down(relu(up(h))^2)``: h, residual (rows, hidden) -> (rows, hidden)."""
     return project(torch.relu(project(h, up)).square(), down, residual)
 
 
 def mlp_step(x: Tensor, norm: Tensor, eps: float, up: Projection, down: Projection) -> Tensor:
-    """An MLP block: x (1, hidden) residual stream -> the block's output (1, hidden)."""
+    """An MLP block: x (rows, hidden) residual stream -> the block's output (rows, hidden)."""
     return mlp_one(rms(x, norm, eps), up, down, x)
 
 
@@ -100,12 +130,13 @@ def mamba_step(
     out_proj: Projection,
     shape: tuple[tuple[int, ...], tuple[int, ...], int, int, int, int, float, float],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """A Mamba block (:class:`~model.decode.layers.MambaStep`): x (1, hidden) -> (output (1, hidden), the new
-    conv state (1, conv_dim, K-1), the new SSM state (1, heads, head_dim, state)).
+    """A Mamba block (:class:`~model.decode.layers.MambaStep`): x (rows, hidden) -> (output (rows, hidden), the
+    new conv state (rows, conv_dim, K-1), the new SSM state (rows, heads, head_dim, state)).
 
     ``shape``: (in_proj split sizes [z, xBC, dt], xBC split sizes [x, B, C], heads, head_dim, groups, state
     size, dt_min, dt_max)."""
     sizes, xbc_sizes, h, p, g, n, dt_min, dt_max = shape
+    b = x.shape[0]
     proj = project(rms(x, norm, eps), in_proj)
     z, xbc, dt = proj.split_with_sizes(list(sizes), -1)
     act, conv = conv_step(conv_state, xbc, conv_weight, conv_bias)
@@ -115,9 +146,9 @@ def mamba_step(
     conv = conv.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
     xs, B, C = F.silu(act).split_with_sizes(list(xbc_sizes), -1)
     dt = F.softplus(dt.to(F32) + dt_bias).clamp(dt_min, dt_max)
-    y, ssm = ssd_step(ssm_state, xs.view(1, h, p), dt, A, B.view(1, g, n), C.view(1, g, n), D)
-    gated = F.silu(z.to(F32)).view(g, -1) * y.view(g, -1)  # gated group norm, float32 statistics
-    gated = rms(gated, None, gate_eps).view(1, -1)
+    y, ssm = ssd_step(ssm_state, xs.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), D)
+    gated = F.silu(z.to(F32)).view(b, g, -1) * y.view(b, g, -1)  # gated group norm, float32 statistics
+    gated = rms(gated, None, gate_eps).view(b, -1)
     gated = gated.to(gate_norm.dtype) * gate_norm
     return project(gated, out_proj, x), conv, ssm
 
@@ -133,16 +164,19 @@ def moe_step(
     shared: tuple[Projection, Projection] | None,
     routing: tuple[int, bool, float],
 ) -> Tensor:
-    """A MoE block for one token (:meth:`MoEStep.one <model.decode.layers.MoEStep.one>`): x (1, hidden) ->
-    (1, hidden); up (E, F, H), down (E, H, F); ``routing``: (top_k, renormalise, scaling).
+    """A MoE block (:class:`~model.decode.layers.MoEStep`): x (rows, hidden) -> (rows, hidden); up (E, F, H),
+    down (E, H, F); ``routing``: (top_k, renormalise, scaling).
 
     The router's float32 sigmoid scores, top-k of the scores plus the correction bias, the selected scores
-    renormalised and scaled, and the selected experts' weights read through their indices inside the GEMV
-    loops (no copy of them is made)."""
+    renormalised and scaled. One token (:meth:`MoEStep.one <model.decode.layers.MoEStep.one>`): the selected
+    experts' weights read through their indices inside the GEMV loops (no copy of them is made); several
+    (:func:`moe_rows`): every expert on every row."""
     top_k, renormalise, scaling = routing
     dtype = up.dtype
     h = rms(x, norm, eps)
     base = x if shared is None else mlp_one(h, shared[0], shared[1], x)
+    if x.shape[0] != 1:
+        return moe_rows(h, base, gate, score_bias, up, down, routing)
     hf = h.view(-1).to(F32)
     scores = torch.sigmoid(gemv(hf, gate))  # (E,)
     idx = torch.topk(scores + score_bias.to(F32), top_k, sorted=False).indices  # (k,)
@@ -157,16 +191,90 @@ def moe_step(
     return (base.to(F32) + routed).to(base.dtype)
 
 
+def routing_weights(
+    h: Tensor, gate: Tensor, score_bias: Tensor, routing: tuple[int, bool, float]
+) -> tuple[Tensor, ...]:
+    """The router of several tokens (:class:`~model.moe.TopKRouter`): h (rows, hidden) -> (float32 scores
+    (rows, E), selected experts (rows, k), their weights (rows, k) renormalised and scaled)."""
+    top_k, renormalise, scaling = routing
+    scores = torch.sigmoid(F.linear(h.to(F32), gate.to(F32)))  # (rows, E)
+    idx = torch.topk(scores + score_bias.to(F32), top_k, sorted=False).indices  # (rows, k)
+    w = scores.gather(1, idx)
+    if renormalise:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return scores, idx, w * scaling
+
+
+def moe_rows(
+    h: Tensor,
+    base: Tensor,
+    gate: Tensor,
+    score_bias: Tensor,
+    up: Tensor,
+    down: Tensor,
+    routing: tuple[int, bool, float],
+) -> Tensor:
+    """The routed experts of several tokens: h (rows, hidden) normed tokens, base (rows, hidden) -> base +
+    routed experts. Half-precision experts take the grouped path (:func:`moe_grouped_rows`), float32 ones
+    the dense pass (:func:`moe_dense_rows`): the grouped GEMM's shape function, which tracing runs, takes
+    bfloat16 / float16 only."""
+    scores, idx, w = routing_weights(h, gate, score_bias, routing)
+    if up.dtype in (torch.bfloat16, torch.float16):
+        return moe_grouped_rows(h, base, idx, w, up, down)
+    return moe_dense_rows(h, base, scores, idx, w, up, down)
+
+
+def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """:class:`~model.moe.Experts`' grouped path (:meth:`MoEStep.rows <model.decode.layers.MoEStep.rows>`): the
+    (row, expert) assignments idx / w (rows, k) sorted by expert (stably), each expert's slice through one
+    grouped GEMM per projection (``F.grouped_mm``: the offsets are data, every shape static in rows * k), the
+    outputs scaled by their routing weights and summed back per row. Only the selected experts' work is done."""
+    e, top_k = up.shape[0], idx.shape[1]
+    flat = idx.reshape(-1)  # (rows * k,)
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(e, dtype=flat.dtype, device=flat.device).scatter_add(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    token = order // top_k
+    act = torch.relu(F.grouped_mm(h.to(up.dtype)[token], up.transpose(1, 2), offs=offs)).square()  # (rows * k, F)
+    ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (rows * k, hidden)
+    weights = w.reshape(-1)[order].to(ys.dtype)
+    return base + ys.new_zeros(h.shape[0], ys.shape[-1]).index_add(0, token, ys * weights[:, None])
+
+
+def moe_dense_rows(h: Tensor, base: Tensor, scores: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """:meth:`MoEStep.dense_rows <model.decode.layers.MoEStep.dense_rows>`: every expert's activated up
+    projection of every row (one GEMM over the experts stacked, a batched one for strided stacks), scaled by a
+    dense (rows, E) routing matrix (zero for unselected experts), projected down and summed over experts by
+    one GEMM (a batched one and a sum for strided stacks)."""
+    e, f, hidden = up.shape
+    rows, dtype = h.shape[0], up.dtype
+    mix = torch.zeros_like(scores).scatter(1, idx, w).to(dtype)  # (rows, E)
+    hd = h.to(dtype)
+    if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM
+        act = torch.relu(torch.mm(hd, up.view(e * f, hidden).t())).square().view(rows, e, f)
+    else:
+        act = torch.relu(torch.matmul(hd, up.transpose(1, 2))).square().transpose(0, 1)  # (rows, E, F)
+    act = act * mix[:, :, None]
+    down_t = down.transpose(1, 2)  # (E, F, H)
+    if down_t.is_contiguous():
+        flat, stacked = act.reshape(rows, e * f), down_t.view(e * f, hidden)
+        if base.dtype == dtype:
+            return torch.addmm(base, flat, stacked)  # the residual as the GEMM's addend, as the eager step
+        return base + torch.mm(flat, stacked)  # a float32 residual stream: promoted
+    routed = torch.bmm(act.transpose(0, 1), down_t).sum(0)
+    return routed + base if base.dtype == dtype else base + routed
+
+
 def attention_in(
     x: Tensor, norm: Tensor, eps: float, q: Projection, k: Projection, v: Projection
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """An attention block's query, key and value of one token: x (1, hidden) -> three (1, out)."""
+    """An attention block's query, key and value of one token per row: x (rows, hidden) -> three (rows, out)."""
     h = rms(x, norm, eps)
     return project(h, q), project(h, k), project(h, v)
 
 
 def head_step(x: Tensor, norm: Tensor, eps: float, head: Projection) -> Tensor:
-    """The final norm and the LM head: x (1, hidden) -> (normed (1, hidden), logits (1, vocab))."""
+    """The final norm and the LM head: x (rows, hidden) -> (normed (rows, hidden), logits (rows, vocab))."""
     h = rms(x, norm, eps)
     return h, project(h, head)
 
@@ -177,10 +285,10 @@ def segment(
     layers: list[tuple[str, tuple[Any, ...]]],
     tail: tuple[str, tuple[Any, ...]],
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]:
-    """The layers between two attention layers as one function: x (1, hidden) -> (x after them, the new
+    """The layers between two attention layers as one function: x (rows, hidden) -> (x after them, the new
     (conv, SSM) states of their Mamba layers in order, the tail's outputs).
 
-    ``attention``: the previous attention layer's output (1, heads * head_dim) and its output projection,
+    ``attention``: the previous attention layer's output (rows, heads * head_dim) and its output projection,
     applied first with the residual (None at the start of the model); ``layers``: ("mamba" | "moe" | "mlp",
     the arguments of :func:`mamba_step` / :func:`moe_step` / :func:`mlp_step` after x); ``tail``:
     ("attention", :func:`attention_in`'s arguments after x) for the next attention layer's query, key and
@@ -201,37 +309,50 @@ def segment(
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, geometry: tuple[int, int, int]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    pos: Tensor,
+    pad: Tensor | None,
+    geometry: tuple[int, int, int],
 ) -> Tensor:
-    """One token's attention with its key and value written into the cache first (what
-    :class:`~model.decode.layers.AttentionStep` does between its projections, for one unpadded row).
+    """One token per row attending its history, its key and value written into the cache first (what
+    :class:`~model.decode.layers.AttentionStep` does between its projections).
 
-    q (1, heads * d), k / v (1, kv * d); k_cache / v_cache (1, kv, capacity, d), written in place at slot ``pos``
-    (a (1,) int64 tensor: the position is data, so one graph serves every length); ``geometry``: (kv heads,
-    query heads, head_dim). The query attends slots ``0..pos`` of the whole buffer, the slots after it masked:
-    the buffer's capacity, not the history's length, is the shape the graph sees (marked dynamic by the
-    caller), so a growing history never compiles again. :func:`~model.decode.layers.one_query_attention`'s
-    arithmetic: float32 scores, softmax and weighted sum, cast back to q's dtype. Returns (1, heads * d)."""
+    q (rows, heads * d), k / v (rows, kv * d); k_cache / v_cache (rows, kv, capacity, d), written in place at
+    slot ``pos`` (a (1,) int64 tensor: the position is data, so one graph serves every length); ``pad``:
+    (rows,) int64, the leading padding slots of each row (:class:`~model.cache.KVCache`'s), or None for none;
+    ``geometry``: (kv heads, query heads, head_dim). Each query attends slots ``pad..pos`` of the whole buffer,
+    the others masked: the buffer's capacity, not the history's length, is the shape the graph sees (marked
+    dynamic by the caller), so a growing history never compiles again.
+    :func:`~model.decode.layers.one_query_attention`'s arithmetic: float32 scores, softmax and weighted sum,
+    cast back to q's dtype. Returns (rows, heads * d)."""
     kv, heads, d = geometry
-    k_cache.index_copy_(2, pos, k.view(1, kv, 1, d).to(k_cache.dtype))
-    v_cache.index_copy_(2, pos, v.view(1, kv, 1, d).to(v_cache.dtype))
-    scores = torch.matmul(q.view(1, kv, heads // kv, d).to(F32), k_cache.to(F32).transpose(2, 3)) * d**-0.5
-    later = torch.arange(k_cache.shape[2], device=pos.device) > pos  # slots not written yet
-    weights = torch.softmax(scores.masked_fill(later, float("-inf")), -1)
-    return torch.matmul(weights, v_cache.to(F32)).to(q.dtype).view(1, heads * d)
+    b = q.shape[0]
+    k_cache.index_copy_(2, pos, k.view(b, kv, 1, d).to(k_cache.dtype))
+    v_cache.index_copy_(2, pos, v.view(b, kv, 1, d).to(v_cache.dtype))
+    scores = torch.matmul(q.view(b, kv, heads // kv, d).to(F32), k_cache.to(F32).transpose(2, 3)) * d**-0.5
+    slots = torch.arange(k_cache.shape[2], device=pos.device)
+    masked = slots > pos  # slots not written yet
+    if pad is not None:  # and each row's leading padding
+        masked = masked | (slots < pad[:, None]).view(b, 1, 1, -1)
+    weights = torch.softmax(scores.masked_fill(masked, float("-inf")), -1)
+    return torch.matmul(weights, v_cache.to(F32)).to(q.dtype).view(b, heads * d)
 
 
 def step(
     x: Tensor,
     segments: list[tuple[list[tuple[str, tuple[Any, ...]]], tuple[str, tuple[Any, ...]]]],
-    attentions: list[tuple[Tensor, Tensor, Tensor, tuple[int, int, int], Projection]],
+    attentions: list[tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[int, int, int], Projection]],
 ) -> tuple[Tensor, list[list[tuple[Tensor, Tensor]]], tuple[Tensor, ...]]:
-    """A whole one-row decode step: x (1, hidden) embedded token -> (x after the last layer, each segment's new
-    Mamba states, (normed final hidden (1, hidden), logits (1, vocab))).
+    """A whole decode step: x (rows, hidden) embedded tokens -> (x after the last layer, each segment's new
+    Mamba states, (normed final hidden (rows, hidden), logits (rows, vocab))).
 
     ``segments``: per run of layers between attention layers, (its layers, its tail) as :func:`segment` takes
-    them; ``attentions``: per attention layer ending a segment, (k_cache, v_cache, pos, geometry, o_proj) for
-    :func:`attend` and the output projection the next segment applies first."""
+    them; ``attentions``: per attention layer ending a segment, (k_cache, v_cache, pos, pad, geometry, o_proj)
+    for :func:`attend` and the output projection the next segment applies first."""
     attention: tuple[Tensor, Projection] | None = None
     states: list[list[tuple[Tensor, Tensor]]] = []
     for i, (layers, tail) in enumerate(segments):
@@ -239,8 +360,8 @@ def step(
         states.append(new)
         if i == len(attentions):
             return x, states, outs
-        k_cache, v_cache, pos, geometry, o_proj = attentions[i]
-        attention = (attend(*outs, k_cache, v_cache, pos, geometry), o_proj)
+        k_cache, v_cache, pos, pad, geometry, o_proj = attentions[i]
+        attention = (attend(*outs, k_cache, v_cache, pos, pad, geometry), o_proj)
     raise ValueError("step: the last segment must end in the head")
 
 
@@ -252,8 +373,12 @@ __all__ = [
     "head_step",
     "mamba_step",
     "mlp_step",
+    "moe_dense_rows",
+    "moe_grouped_rows",
+    "moe_rows",
     "moe_step",
     "project",
+    "project_rows",
     "segment",
     "step",
 ]

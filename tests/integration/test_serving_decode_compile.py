@@ -1,4 +1,4 @@
-"""A server loaded with compiled one-row decode steps (``ServingConfig.decode_compile``).
+"""A server loaded with compiled decode steps (``ServingConfig.decode_compile``).
 
 The test suite's servers decode eagerly by default (tests/conftest.py); this loads the tiny nested checkpoint
 as a replica does with compiled steps on: every budget's plan is compiled and measured at load, before any
@@ -48,9 +48,10 @@ def test_compiled_decode_is_compiled_at_load_reported_and_decodes_as_the_eager_p
 
 
 def test_requests_never_compile_whatever_the_prompt_length_or_the_replicas_thread_count(tiny_nested_checkpoint):
-    """Every graph is compiled at load: requests of new prompt lengths, decoded on the engine's own thread with
-    the replica's thread count (a graph guards on it; a count other than the one compiled for would compile
-    again, seconds under traffic), compile nothing."""
+    """Every graph is compiled at load: requests of new prompt lengths, alone (one-row steps) and together
+    (several rows, padded, of changing count), decoded on the engine's own thread with the replica's thread
+    count (a graph guards on it; a count other than the one compiled for would compile again, seconds under
+    traffic), compile nothing."""
     import asyncio
 
     from components.serving.config import ServingConfig
@@ -67,20 +68,33 @@ def test_requests_never_compile_whatever_the_prompt_length_or_the_replicas_threa
         loaded = LoadedModel.load(tiny_nested_checkpoint, cfg)
         plan = loaded.registry.get("full").decode_plan()
         plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)  # kept even if slower
+        plan.compiled.one_row = plan.compiled.several_rows = True
         engine = Engine(loaded, cfg).start()
         prompts = [loaded.tokenizer.encode(f"<bos>Q:{q}\n<think>") for q in ("1", "2+3*4", "9-1+2*2-7")]
 
+        async def finish(job: Job) -> None:
+            while (event := await job.events.get())[1] not in ("done", "error"):
+                pass
+            assert event[1] == "done", event
+
         async def serve() -> None:
             loop = asyncio.get_running_loop()
-            for prompt in prompts:  # one at a time: every step a one-row step, the compiled path
+            for prompt in prompts:  # one at a time: every step a one-row step
                 job = Job(prompt, "full", "full", 4, 6, SamplingParams(), (), False, loop)
                 engine.submit(job)
-                while (event := await job.events.get())[1] not in ("done", "error"):
-                    pass
-                assert event[1] == "done", event
+                await finish(job)
+            # together: rows of different lengths batched (left-padded), then leaving one by one
+            jobs = [
+                Job(p, "full", "full", 3 + i, 5 + 2 * i, SamplingParams(), (), False, loop)
+                for i, p in enumerate(prompts)
+            ]
+            for job in jobs:
+                engine.submit(job)
+            await asyncio.gather(*(finish(job) for job in jobs))
 
         with torch.compiler.set_stance("fail_on_recompile"):
             asyncio.run(serve())
+        assert engine.stats["max_batch_size"] > 1
         engine.stop()
         assert engine.error is None
     finally:

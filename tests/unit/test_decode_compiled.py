@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import clone_cache
+from model.cache import clone_cache, concat_caches
 from model.config import HybridConfig
 from model.decode import DecodePlan
 from model.decode.budget_view import StridedExperts, budget_model
@@ -44,8 +44,8 @@ def _decode_both(model: HybridLM, plan: DecodePlan, ids: torch.Tensor, prefill: 
     return worst
 
 
-def _ids(n: int, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+def _ids(n: int, seed: int = 3, rows: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (rows, n), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()
@@ -76,12 +76,14 @@ def test_compiled_steps_hold_bfloat16_to_its_rounding():
         out = m(tok, cache=out.cache)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("copies", [True, False])
 @torch.no_grad()
-def test_a_budget_views_compiled_steps_read_its_runs_prefixes_and_strided_experts(copies):
+def test_a_budget_views_compiled_steps_read_its_runs_prefixes_and_strided_experts(copies, rows):
     """A budget view: split projections (runs of the parent's rows / columns), inputs-major prefixes and strided
     expert stacks. With copies the compiled step reads outputs-major contiguous copies of them; without (a
-    zero bound), the views themselves. Both equal the eager steps, and the parent is untouched."""
+    zero bound), the views themselves. Both equal the eager steps, for one row and for several, and the parent
+    is untouched."""
     parent = _model({})
     before = {k: v.clone() for k, v in parent.state_dict().items()}
     budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2, moe_ffn=8, experts=3))
@@ -90,7 +92,7 @@ def test_a_budget_views_compiled_steps_read_its_runs_prefixes_and_strided_expert
     plan = DecodePlan(budget, max_copy_bytes=None if copies else 0, compiled=True)
     assert (plan.compiled.copied_bytes > 0) == copies
     assert bool(plan.compiled.copies) == copies and bool(plan.compiled.expert_copies) == copies
-    assert _decode_both(budget, plan, _ids(16, seed=7), prefill=5, steps=6) <= ATOL
+    assert _decode_both(budget, plan, _ids(16, seed=7, rows=rows), prefill=5, steps=6) <= ATOL
     assert all(torch.equal(v, before[k]) for k, v in parent.state_dict().items())
 
 
@@ -109,14 +111,16 @@ def test_a_weight_changed_in_place_is_never_read_through_a_stale_copy():
 
 @torch.no_grad()
 def test_steps_the_compiled_step_does_not_cover_run_eagerly():
-    """Two rows, and a projection watched by a forward hook (which must see every call), take the eager steps;
-    the results are the eager plan's."""
+    """Rows of a count the compiled step is switched off for (warm found it slower), and a projection watched
+    by a forward hook (which must see every call), take the eager steps; the results are the eager plan's."""
     m = _model({})
     plan = DecodePlan(m, compiled=True)
     ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
     out = m(ids[:, :8], use_cache=True)
     x = m.model.embeddings(ids[:, 8])
-    assert not plan.compiled.runs(x, out.cache)
+    assert plan.compiled.runs(x, out.cache)
+    plan.compiled.several_rows = False
+    assert not plan.compiled.runs(x, out.cache) and plan.compiled.runs(x[:1], out.cache)
     fast, ref = plan(ids[:, 8:], clone_cache(out.cache)), DecodePlan(m)(ids[:, 8:], clone_cache(out.cache))
     assert torch.equal(fast.logits, ref.logits)
     seen = []
@@ -153,14 +157,19 @@ def test_a_compiler_that_fails_leaves_the_eager_plan_and_says_why(tmp_path, monk
 def test_warm_measures_both_and_keeps_the_compiled_steps_only_when_faster():
     m = _model({})
     plan = DecodePlan(m, compiled=True)
-    plan.warm(rounds=3, calls=2)
-    assert set(plan.step_ms) == {"eager", "compiled"} and all(v > 0 for v in plan.step_ms.values())
-    assert (plan.compiled is not None) == (plan.step_ms["compiled"] < plan.step_ms["eager"])
-    assert "ms vs eager" in plan.compile_summary()
+    compiled = plan.compiled
+    plan.warm(rounds=3, calls=2, rows=3)
+    for ms in (plan.step_ms, plan.rows_ms):
+        assert set(ms) == {"eager", "compiled"} and all(v > 0 for v in ms.values())
+    assert compiled.one_row == (plan.step_ms["compiled"] < plan.step_ms["eager"])
+    assert compiled.several_rows == (plan.rows_ms["compiled"] < plan.rows_ms["eager"])
+    assert (plan.compiled is not None) == (compiled.one_row or compiled.several_rows)
+    summary = plan.compile_summary()
+    assert "one-row step compiled" in summary and "3-row step compiled" in summary, summary
     assert DecodePlan(m).compile_summary() == "compiled steps off"
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as serving decodes, and warm() compiles
 def test_prompts_of_any_length_reuse_the_warm_graphs():
     """A prefill leaves each conv state as a view whose row stride depends on the prompt's length; the compiled
     step takes it in its own layout, so requests with new prompt lengths never compile (a compile under traffic
@@ -200,3 +209,52 @@ def test_a_weight_in_another_memory_order_gets_a_graph_of_its_own():
     plan.compiled = CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
     assert plan.compiled.projection(out_proj)[1][0].stride(-1) != 1
     assert _decode_both(m, plan, _ids(12, seed=13), prefill=6, steps=2) <= ATOL
+
+
+@torch.inference_mode()  # as serving decodes, and warm() compiles
+def test_several_rows_of_any_count_and_padding_run_one_graph_and_equal_each_row_decoded_alone():
+    """A batch of rows with histories of different lengths (shorter ones left-padded in the KV buffers) in one
+    compiled call per step: every row's logits equal that row decoded alone by the eager steps, and a batch of
+    another row count, padded or not, runs the same graph (the row count is dynamic in it), through a KV
+    buffer's growth and rows leaving (the rest's shared padding trimmed: a view of the wider buffer)."""
+    m = _model({})
+    plan = DecodePlan(m, compiled=True)
+    plan.warm(rounds=1, calls=1, rows=2)
+    plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
+    plan.compiled.one_row = plan.compiled.several_rows = True
+    eager = DecodePlan(m)
+    for rows, padded in ((3, True), (5, False), (4, True)):
+        ids = _ids(30, seed=rows, rows=rows)
+        lengths = [6 + 3 * i if padded else 8 for i in range(rows)]
+        alone = [m(ids[i : i + 1, :n], use_cache=True).cache for i, n in enumerate(lengths)]
+        batch = concat_caches([clone_cache(c) for c in alone])
+        assert (batch.layers[1].pad is not None) == padded
+        kept = list(range(rows))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for t in range(20, 26):
+                if t == 23 and padded:  # the longest row leaves; the others' shared padding is trimmed
+                    kept = kept[:-1]
+                    trim = int(batch.layers[1].pad[kept].min())
+                    assert trim > 0
+                    batch = batch.select(torch.tensor(kept), trim)
+                tok = ids[kept, t : t + 1]
+                fast = plan(tok, batch).logits
+                for j, i in enumerate(kept):
+                    ref = eager(tok[j : j + 1], alone[i]).logits
+                    assert (fast[j : j + 1] - ref).abs().max().item() <= ATOL
+
+
+@torch.no_grad()
+def test_several_rows_hold_bfloat16_to_its_rounding():
+    m = _model({}).to(torch.bfloat16)
+    plan = DecodePlan(m, compiled=True)
+    plan.compiled.one_row = False  # several rows only
+    ids = _ids(12, seed=9, rows=3)
+    out = m(ids[:, :8], use_cache=True)
+    for t in range(8, 12):  # each step from the same state: rounding differences do not accumulate
+        tok = ids[:, t : t + 1]
+        assert plan.compiled.runs(m.model.embeddings(tok.view(-1)), out.cache)
+        fast, ref = plan(tok, clone_cache(out.cache)), DecodePlan(m)(tok, clone_cache(out.cache))
+        assert fast.logits.dtype == torch.bfloat16
+        assert (fast.logits.float() - ref.logits.float()).abs().max().item() <= 2e-2
+        out = m(tok, cache=out.cache)
