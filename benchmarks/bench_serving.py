@@ -52,8 +52,13 @@ ANSWER_SCHEMA = {
 """The JSON schema half the clients of ``--part grammar`` ask for (bounded: a random model's answer ends)."""
 
 
-def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool) -> Path:
-    """A random-weight nested checkpoint with ``budgets`` and the demo character tokenizer (with its chat template)."""
+def build_checkpoint(
+    out: Path, fields: dict[str, Any], budgets: dict, vocab_from_tokenizer: bool, dtype: str = "float32"
+) -> Path:
+    """A random-weight nested checkpoint with ``budgets`` and the demo character tokenizer (with its chat template),
+    its weights in ``dtype`` (a published checkpoint's is bfloat16)."""
+    import torch
+
     from components.data.tokenizer import TextTokenizer, build_demo_tokenizer
     from model.config import HybridConfig
     from model.elastic import ElasticSpace, count_params
@@ -73,7 +78,7 @@ def build_checkpoint(out: Path, fields: dict[str, Any], budgets: dict, vocab_fro
                   "shared_ffn": cfg.moe_shared_expert_intermediate_size, "mlp_ffn": cfg.intermediate_size,
                   "experts": cfg.n_routed_experts}  # fmt: skip
     space = ElasticSpace(**{a: sorted({full_sizes[a], *v}, reverse=True) for a, v in space_axes.items()})
-    model = HybridLM(cfg).init_weights(0).eval()
+    model = HybridLM(cfg).init_weights(0).eval().to(getattr(torch, dtype))
     full = count_params(cfg).active
     fractions = BudgetSet.of({n: round(count_params(cfg, a).active / full, 4) for n, a in budgets.items()})
     files = tokenizer_files(tok.save(out / "tokenizer"))
@@ -305,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="throughput on bench_peers' ~115M family (vocabulary 49152, the demo tokenizer's ids) "
                         "instead of the demo-sized parent")  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=None, help="batching modes (default all)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the checkpoint's weights")
     p.add_argument("--rss-child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rss_child:
@@ -319,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
             from model.elastic import Architecture
 
             family = {n: Architecture(**kw) for n, kw in BUDGETS.items()}
-            demo = build_checkpoint(Path(tmp) / "family", PARENT, family, vocab_from_tokenizer=False)
+            demo = build_checkpoint(Path(tmp) / "family", PARENT, family, vocab_from_tokenizer=False, dtype=args.dtype)
         else:
-            demo = build_checkpoint(Path(tmp) / "demo", DEMO, DEMO_BUDGETS, vocab_from_tokenizer=True)
+            demo = build_checkpoint(Path(tmp) / "demo", DEMO, DEMO_BUDGETS, vocab_from_tokenizer=True, dtype=args.dtype)
         if args.part in ("throughput", "all"):
             rows = throughput(demo, args)
             result["throughput"] = rows

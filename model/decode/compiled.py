@@ -235,7 +235,7 @@ class CompiledStep:
         self.covered = all(type(s) in (MambaStep, MoEStep, MLPStep, AttentionStep) for s in steps)
         self.one_row = True  # which steps run compiled: one row, several rows (DecodePlan.warm decides)
         self.several_rows = True
-        self._zeros: dict[tuple[int, torch.device], Tensor] = {}
+        self._zeros: dict[tuple[int, torch.device, int], Tensor] = {}
         self.copies: dict[int, Prepared] = {}
         self.expert_copies: dict[int, tuple[Tensor, Tensor, tuple[int, ...]]] = {}
         self.copied_bytes = self.copy_weights(max_copy_bytes)
@@ -366,9 +366,11 @@ class CompiledStep:
         """Whether a step on this embedded token x (rows, hidden) and this cache runs compiled."""
         return self.arguments(x, cache) is not None
 
-    def no_pad(self, rows: int, device: torch.device) -> Tensor:
-        """(rows,) zeros: the padding of rows that have none (one graph for padded and unpadded batches)."""
-        key = (rows, device)
+    def no_pad(self, rows: int, device: torch.device, layer: int) -> Tensor:
+        """(rows,) zeros: the padding of rows that have none (one graph for padded and unpadded batches); one
+        tensor per attention layer, as a padded cache has (a graph guards on which arguments are one tensor:
+        zeros shared by the layers would make the graph for padded batches another one)."""
+        key = (rows, device, layer)
         zeros = self._zeros.get(key)
         if zeros is None:
             zeros = self._zeros[key] = torch.zeros(rows, dtype=torch.long, device=device)
@@ -406,7 +408,7 @@ class CompiledStep:
             # The capacity grows with the history: a dynamic dimension, so one graph serves every length.
             mark(layer.k, 2)
             mark(layer.v, 2)
-            pad = layer.pad if layer.pad is not None else self.no_pad(rows, layer.k.device)
+            pad = layer.pad if layer.pad is not None else self.no_pad(rows, layer.k.device, seg.attention)
             if rows > 1:
                 for t in (layer.k, layer.v, pad):
                     mark(t, 0)

@@ -216,8 +216,9 @@ def test_several_rows_of_any_count_and_padding_run_one_graph_and_equal_each_row_
     """A batch of rows with histories of different lengths (shorter ones left-padded in the KV buffers) in one
     compiled call per step: every row's logits equal that row decoded alone by the eager steps, and a batch of
     another row count, padded or not, runs the same graph (the row count is dynamic in it), through a KV
-    buffer's growth and rows leaving (the rest's shared padding trimmed: a view of the wider buffer)."""
-    m = _model({})
+    buffer's growth and rows leaving (the rest's shared padding trimmed: a view of the wider buffer). Two
+    attention layers: each has its own padding tensor, in the warm-up's unpadded batch as in a padded one."""
+    m = _model({"pattern": "M*E-*E"})
     plan = DecodePlan(m, compiled=True)
     plan.warm(rounds=1, calls=1, rows=2)
     plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
