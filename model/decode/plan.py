@@ -62,18 +62,18 @@ class DecodePlan:
         self.rows_ms: dict[str, float] | None = None  # the same at rows_ms_rows rows
         self.rows_ms_rows = 0
 
-    def warm(self, prompt_tokens: int = 16, steps: int = 3, rounds: int = 5, calls: int = 4, rows: int = 4) -> float:
+    def warm(self, prompt_tokens: int = 16, steps: int = 3, rounds: int = 5, calls: int = 4, rows: int = 8) -> float:
         """Compile the compiled steps now, and keep them only where they measure faster than the eager ones.
 
-        For one row and for ``rows`` rows (0: one row only), on a scratch cache (a prefill of ``prompt_tokens``),
-        ``steps`` steps compile the graph (a first step may grow the attention caches; later ones meet the
-        states' own memory layouts), so that no request pays for it; several rows compile the graph every
-        batch of two rows or more runs (the row count is dynamic in it). Then ``rounds`` rounds of ``calls``
-        steps each, eager and compiled in turns, give each its median time per step (:attr:`step_ms` for one
-        row, :attr:`rows_ms` for several); the compiled step is switched off where it is not faster, and
-        dropped with its weight copies where it is faster for neither. Should compiling fail (no C++
-        compiler, an unsupported operator), the plan keeps its eager steps and :attr:`compile_error` says why.
-        Returns (and keeps) the seconds taken."""
+        For one row and for ``rows`` rows (0: one row only; 8: the middle of a serving batch's sizes), on a
+        scratch cache (a prefill of ``prompt_tokens``), ``steps`` steps compile the graph (a first step may grow
+        the attention caches; later ones meet the states' own memory layouts), so that no request pays for it;
+        several rows compile the graph every batch of two rows or more runs (the row count is dynamic in it).
+        Then ``rounds`` rounds of ``calls`` steps each, eager and compiled in turns, give each its median time
+        per step (:attr:`step_ms` for one row, :attr:`rows_ms` for several); the compiled step is switched off
+        where it is not faster, and dropped with its weight copies where it is faster for neither. Should
+        compiling fail (no C++ compiler, an unsupported operator), the plan keeps its eager steps and
+        :attr:`compile_error` says why. Returns (and keeps) the seconds taken."""
         if self.compiled is None:
             return 0.0
         start = time.perf_counter()
