@@ -119,7 +119,7 @@ class OurEngine:
 
         self.model = model
         self.plan = DecodePlan(model, compiled=compiled)
-        self.plan.warm()
+        self.plan.warm(rows=0)  # batch 1 only: no several-row graph
         self.cache = None
         self._tok = torch.zeros(1, 1, dtype=torch.long)
 

@@ -182,6 +182,13 @@ class ServingConfig(BaseModel):
         description="FP8/NVFP4 only: keep a dense copy of each quantized weight after first use (faster on CPU, "
         "but the resident weights are then no longer the single quantized copy).",
     )
+    dequant_cache_mib: float | None = Field(
+        None,
+        ge=0,
+        description="FP8/NVFP4 only: memory (MiB), all budgets together, for dense copies of quantized weights "
+        "(largest budget first, each in layer order; a weight beyond the bound is dequantized at every step). "
+        "None: as cache_dequantized says (every weight, or none).",
+    )
     decode_copy_mib: float | None = Field(
         None,
         ge=0,

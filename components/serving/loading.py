@@ -116,6 +116,14 @@ class LoadedModel:
             sliced = sliced_quantized_budgets(folder, names, dtype, config.cache_dequantized)
             sliced = {n: m.to(device).eval() for n, m in sliced.items()}
         registry = BudgetRegistry(full, archs, order, sliced=sliced)  # dense: every budget a view of one copy
+        if fmt != "dense" and config.dequant_cache_mib is not None:
+            from model.quant import bound_dequantized_caches
+
+            budgets = [registry.get(n) for n in registry.names]  # largest first
+            dense = full.model.embeddings.weight.dtype  # the activations' dtype, the copies'
+            used = bound_dequantized_caches(budgets, int(config.dequant_cache_mib * 2**20), dense)
+            log.info("dense copies of quantized weights: up to %.1f MiB (bound %.1f MiB)", used / 2**20,
+                     config.dequant_cache_mib)  # fmt: skip
         copy_bytes = None if config.decode_copy_mib is None else int(config.decode_copy_mib * 2**20)
         prepare_decode(registry, copy_bytes, config.decode_compile)
         tokenizer = TextTokenizer.load(folder, config.markers)

@@ -158,7 +158,19 @@ class ServingState:
                 name: plan.copied_bytes() for name, plan in plans.items()
             },
             "decode_steps": {name: plan.compile_summary() for name, plan in plans.items()},
+            "dequant_cache_bytes": self.dequantized_bytes(),  # ServingConfig.dequant_cache_mib / cache_dequantized
         }
+
+    def dequantized_bytes(self) -> int:
+        """Bytes of the dense copies quantized weights hold now (each module once, every budget)."""
+        registry, seen, total = self.loaded.registry, set(), 0
+        for name in registry.names:
+            for module in registry.get(name).modules():
+                cache = getattr(module, "_dequant_cache", None)
+                if cache is not None and id(module) not in seen:
+                    seen.add(id(module))
+                    total += cache.nbytes
+        return total
 
     # ------------------------------------------------------------------ HTTP-level checks
     def authorize(self, request: Request) -> None:

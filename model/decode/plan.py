@@ -58,6 +58,7 @@ class DecodePlan:
             self.compiled = CompiledStep(self.steps, self.norm_f, self.lm_head, max(left, 0))
         self.compile_seconds: float | None = None
         self.compile_error: str | None = None
+        self.compile_unfit: str | None = None  # why warm found nothing the compiled step can run
         self.step_ms: dict[str, float] | None = None  # one-row step, eager and compiled (ms), measured by warm
         self.rows_ms: dict[str, float] | None = None  # the same at rows_ms_rows rows
         self.rows_ms_rows = 0
@@ -80,11 +81,16 @@ class DecodePlan:
         compiled = self.compiled
         try:
             self.step_ms = self._measure(compiled, 1, prompt_tokens, steps, rounds, calls)
+            if self.step_ms is None:  # nothing it can run: the eager plan, said so
+                self.compiled, self.compile_seconds = None, time.perf_counter() - start
+                self.compile_unfit = "a quantized or hooked projection, or quantized experts"
+                return self.compile_seconds
             compiled.one_row = self.step_ms["compiled"] < self.step_ms["eager"]
             if rows > 1:
                 self.rows_ms_rows = rows
                 self.rows_ms = self._measure(compiled, rows, prompt_tokens, steps, rounds, calls)
-                compiled.several_rows = self.rows_ms["compiled"] < self.rows_ms["eager"]
+                ms = self.rows_ms
+                compiled.several_rows = ms is not None and ms["compiled"] < ms["eager"]
             self.compiled = compiled if compiled.one_row or (rows > 1 and compiled.several_rows) else None
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves the eager plan, reported
             self.compile_error = f"{type(err).__name__}: {err}".splitlines()[0][:500]
@@ -94,8 +100,10 @@ class DecodePlan:
 
     def _measure(
         self, compiled: CompiledStep, rows: int, prompt_tokens: int, steps: int, rounds: int, calls: int
-    ) -> dict[str, float]:
-        """Compile ``compiled`` for ``rows`` rows, then its median step time and the eager steps' (ms)."""
+    ) -> dict[str, float] | None:
+        """Compile ``compiled`` for ``rows`` rows, then its median step time and the eager steps' (ms); None when
+        its steps cannot run compiled at all (:meth:`CompiledStep.arguments
+        <model.decode.compiled.CompiledStep.arguments>`: a quantized or hooked projection, quantized experts)."""
         device = self.lm_head.weight.device
         with torch.inference_mode():
             ids = torch.zeros(rows, prompt_tokens, dtype=torch.long, device=device)
@@ -104,6 +112,8 @@ class DecodePlan:
             self.compiled = compiled
             for _ in range(steps):
                 self(tok, cache)
+            if not compiled.runs(self.embeddings(tok.view(-1)), cache):
+                return None
             times: dict[str, list[float]] = {"eager": [], "compiled": []}
             for _ in range(rounds):
                 for name, fast in (("eager", None), ("compiled", compiled)):
@@ -123,6 +133,8 @@ class DecodePlan:
         """One line on the compiled steps: kept or not, the measured step times, the time compiling took."""
         if self.compile_error is not None:
             return f"compiled steps failed, eager kept ({self.compile_error})"
+        if self.compile_unfit is not None:
+            return f"compiled steps cannot run here, eager kept ({self.compile_unfit})"
         if self.step_ms is None:
             return "compiled steps " + ("not warmed" if self.compiled is not None else "off")
         kept = self.compiled

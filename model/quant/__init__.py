@@ -41,7 +41,15 @@ from .nvfp4 import (
     slice_nvfp4,
     unpack_e2m1,
 )
-from .qlinear import QUANT_FORMATS, QUANT_PRESETS, QuantFormat, QuantLinear, QuantPreset, quantize_module
+from .qlinear import (
+    QUANT_FORMATS,
+    QUANT_PRESETS,
+    QuantFormat,
+    QuantLinear,
+    QuantPreset,
+    bound_dequantized_caches,
+    quantize_module,
+)
 from .quantize import quantize_checkpoint
 
 __all__ = [
@@ -59,6 +67,7 @@ __all__ = [
     "QuantExperts",
     "QuantFormat",
     "QuantLinear",
+    "bound_dequantized_caches",
     "QuantPreset",
     "build_quantized_model",
     "calibrate_input_amax",

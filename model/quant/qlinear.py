@@ -12,7 +12,7 @@ State-dict layout table: docs/quantization.md ("Quantized linear layers").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,7 +30,15 @@ from .nvfp4 import (
     slice_nvfp4,
 )
 
-__all__ = ["QUANT_FORMATS", "QUANT_PRESETS", "QuantFormat", "QuantLinear", "QuantPreset", "quantize_module"]
+__all__ = [
+    "QUANT_FORMATS",
+    "QUANT_PRESETS",
+    "QuantFormat",
+    "QuantLinear",
+    "QuantPreset",
+    "bound_dequantized_caches",
+    "quantize_module",
+]
 
 QuantFormat = Literal["fp8", "nvfp4"]
 QUANT_FORMATS: tuple[str, ...] = ("fp8", "nvfp4")
@@ -406,3 +414,27 @@ def quantize_module(
             converted[id(child)] = QuantLinear.from_linear(child, fmt, cache_dequantized=cache_dequantized)
         setattr(parent, child_name, converted[id(child)])
     return sorted(qualified for _, _, qualified, _ in targets)
+
+
+def bound_dequantized_caches(models: Sequence[nn.Module], max_bytes: int, dtype: torch.dtype) -> int:
+    """Let the dense copies of quantized weights (``cache_dequantized``) take at most ``max_bytes``.
+
+    The :class:`QuantLinear` modules of ``models`` (routed experts' included), model after model and each in
+    module order (layer order), keep a dense copy in ``dtype`` (the activations' dtype, which the copy is
+    made in at the first call) while the bound lasts; every other one is switched to dequantizing at every
+    call and its copy, if any, dropped. A module shared by several models counts once. Returns the bytes
+    the copies may take (what they take once every module has run)."""
+    used, seen = 0, set()
+    size = torch.empty((), dtype=dtype).element_size()
+    for model in models:
+        for module in model.modules():
+            if not isinstance(module, QuantLinear) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            nbytes = module.out_features * module.in_features * size
+            keep = used + nbytes <= max_bytes
+            if module.cache_dequantized != keep:
+                module.cache_dequantized = keep
+                module.clear_cache()
+            used += nbytes if keep else 0
+    return used

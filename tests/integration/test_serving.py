@@ -588,7 +588,9 @@ def test_fp8_checkpoint_serves_smaller_budgets_at_their_own_size(tiny_nested_che
     from model.quant import quantize_checkpoint
 
     fp8 = quantize_checkpoint(tiny_nested_checkpoint, tmp_path / "fp8", "fp8")
-    state = ServingState(str(fp8), ServingConfig(api_key=KEY, format="fp8", think_limit=8))  # the default: sliced
+    bound = 0.02  # MiB for dense copies of quantized weights, all budgets together: some, not all
+    cfg = ServingConfig(api_key=KEY, format="fp8", think_limit=8, dequant_cache_mib=bound)  # the default: sliced
+    state = ServingState(str(fp8), cfg)
     registry = state.loaded.registry
     modes = {n: registry.get(n).mode for n in registry.names}
     assert modes[registry.names[0]] == "masked" and all(modes[n] == "sliced" for n in registry.names[1:])
@@ -596,6 +598,9 @@ def test_fp8_checkpoint_serves_smaller_budgets_at_their_own_size(tiny_nested_che
     assert all(0 < registry.copied_bytes()[n] < parent for n in registry.names[1:])  # each its own slice
     answers = _ask_every_budget(state)
     assert list(answers) == BUDGETS and answers["full"]["budget_control"]["think_model"] == "small"
+    quantized = [m for n in registry.names for m in registry.get(n).modules() if hasattr(m, "_dequant_cache")]
+    assert any(m.cache_dequantized for m in quantized) and not all(m.cache_dequantized for m in quantized)
+    assert 0 < state.memory()["dequant_cache_bytes"] <= bound * 2**20
     with pytest.raises(ValueError, match="holds dense weights"):
         ServingState(str(tiny_nested_checkpoint), ServingConfig(format="nvfp4"))
 

@@ -259,3 +259,18 @@ def test_several_rows_hold_bfloat16_to_its_rounding():
         assert fast.logits.dtype == torch.bfloat16
         assert (fast.logits.float() - ref.logits.float()).abs().max().item() <= 2e-2
         out = m(tok, cache=out.cache)
+
+
+@torch.no_grad()
+def test_warm_says_so_when_nothing_can_run_compiled():
+    """A plan whose steps the compiled step cannot read (here a hooked projection; in serving, a quantized
+    checkpoint) is not timed against itself: warm keeps the eager plan and says why."""
+    m = _model({})
+    handle = m.model.layers[0].mixer.out_proj.register_forward_hook(lambda *a: None)
+    try:
+        plan = DecodePlan(m, compiled=True)
+        plan.warm(rounds=1, calls=1, rows=2)
+        assert plan.compiled is None and plan.step_ms is None and plan.compile_error is None
+        assert "cannot run here" in plan.compile_summary()
+    finally:
+        handle.remove()

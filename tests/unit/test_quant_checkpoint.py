@@ -20,6 +20,7 @@ from model.moe import Experts
 from model.quant import (
     QuantExperts,
     QuantLinear,
+    bound_dequantized_caches,
     calibrate_input_amax,
     dequantize_model,
     load_quantized_model,
@@ -216,6 +217,32 @@ def test_cached_and_on_the_fly_dequantization_agree(quantized, fmt):
         a = load_quantized_model(quantized[fmt], cache_dequantized=True)(ids).logits
         b = load_quantized_model(quantized[fmt], cache_dequantized=False)(ids).logits
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dense_copies_stay_within_their_memory_bound(quantized, fmt):
+    """A bound on the dense copies: modules in layer order keep one while it lasts (experts included), the rest
+    dequantize at every call; after a forward the copies held are what was allotted, within the bound, and
+    the logits are those of dequantizing everything at every call."""
+    ids = input_ids()
+    model = load_quantized_model(quantized[fmt], cache_dequantized=True)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    sizes = [m.out_features * m.in_features * 4 for m in linears]
+    bound = sum(sizes) // 2
+    allotted = bound_dequantized_caches([model, model], bound, torch.float32)  # a model twice counts once
+    kept = [m.cache_dequantized for m in linears]
+    assert 0 < allotted <= bound and 0 < sum(kept) < len(linears)
+    assert allotted == sum(n for n, k in zip(sizes, kept, strict=True) if k)
+    first_off = kept.index(False)
+    assert all(kept[:first_off])  # layer order, first come first served
+    with torch.no_grad():
+        out = model(ids).logits
+        ref = load_quantized_model(quantized[fmt], cache_dequantized=False)(ids).logits
+    assert torch.equal(out, ref)
+    held = sum(m._dequant_cache.nbytes for m in linears if m._dequant_cache is not None)
+    assert held == allotted
+    assert bound_dequantized_caches([model], 0, torch.float32) == 0
+    assert all(m._dequant_cache is None and not m.cache_dequantized for m in linears)
 
 
 def test_bf16_compute(quantized):
