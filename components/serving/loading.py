@@ -134,7 +134,7 @@ class LoadedModel:
 
 def prepare_decode(registry: BudgetRegistry, max_copy_bytes: int | None = None, compiled: bool = False) -> None:
     """Build every budget's decode plan now, so that its kernel measurements (model/decode/kernels.py; cached
-    on disk per machine) and, with ``compiled``, its compiled one-row steps (model/decode/compiled.py,
+    on disk per machine) and, with ``compiled``, its compiled steps, one row and several (model/decode/compiled.py,
     compiled and measured against the eager steps) are done at start-up and never by a first request; logs
     what it took.
 

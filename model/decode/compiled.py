@@ -212,10 +212,10 @@ class Segment:
 
 
 class CompiledStep:
-    """A decode plan's one-row step as one compiled call (:func:`~model.decode.step_functions.step`): the runs
-    of layers between attention layers (its segments), each attention layer's cache write and attention
-    between them, as the eager steps do them. Built by :class:`~model.decode.plan.DecodePlan` from its eager
-    steps, which it reads (their modules, their derived tensors) and falls back to."""
+    """A decode plan's step, one row or several, as one compiled call (:func:`~model.decode.step_functions.step`):
+    the runs of layers between attention layers (its segments), each attention layer's cache write and
+    attention between them, as the eager steps do them. Built by :class:`~model.decode.plan.DecodePlan` from
+    its eager steps, which it reads (their modules, their derived tensors) and falls back to."""
 
     def __init__(
         self, steps: list[ReferenceStep], norm_f: nn.Module, lm_head: nn.Module, max_copy_bytes: int = 0
