@@ -18,6 +18,11 @@ how many (token, expert) assignments there are and how large the experts are
   slice of its tokens (a loop over experts, never over tokens).
 
 A shared expert sees every token.
+
+The arithmetic is written once, on tensors (:func:`router_scores`, :func:`top_experts`,
+:func:`routing_weights`, :func:`route`; :func:`every_expert_up`, :func:`dense_routing`, :func:`mix_down`,
+:func:`dense_experts`): the modules here call it, and so do the decode steps of :mod:`model.decode`, eager and
+compiled (these functions are traced by ``torch.compile``: no host reads, no branch on a tensor's values).
 """
 
 from __future__ import annotations
@@ -61,6 +66,98 @@ def expert_path(tokens: int, top_k: int, num_experts: int, ffn: int, hidden: int
     return "grouped"
 
 
+# ---------------------------------------------------------------------- the arithmetic, on tensors
+def _float32(t: Tensor) -> Tensor:
+    """``t`` in float32: itself when it already is, without the ``to`` call (an operator dispatch: the one-token
+    decode step counts them)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def router_scores(x: Tensor, weight: Tensor) -> Tensor:
+    """Routing step 1: x (T, hidden), the router's weight (E, hidden) -> float32 scores sigmoid(x @ weight.T)
+    (T, E)."""
+    return torch.sigmoid(F.linear(_float32(x), _float32(weight)))
+
+
+def top_experts(scores: Tensor, bias: Tensor, top_k: int, in_order: bool = True) -> Tensor:
+    """Routing step 2 without an expert mask or a group limit: scores (..., E) float32, the selection-only bias
+    (E,) -> the ``top_k`` experts of ``scores + bias`` (..., k) int64. ``in_order``: in descending order of that
+    sum (the router's order), else in whatever order ``topk`` leaves them (the decode steps': no sort)."""
+    return torch.topk(scores + _float32(bias), top_k, sorted=in_order).indices
+
+
+def routing_weights(scores: Tensor, idx: Tensor, renormalise: bool, scaling: float) -> Tensor:
+    """Routing step 3: scores (..., E) float32, selected experts idx (..., k) -> their weights (..., k), the
+    selected scores renormalised to sum to 1 (when ``renormalise``) and multiplied by ``scaling``."""
+    w = scores.gather(-1, idx)
+    if renormalise:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scaling
+
+
+def route(
+    scores: Tensor, bias: Tensor, top_k: int, renormalise: bool, scaling: float, in_order: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Routing steps 2 and 3 (:func:`top_experts`, :func:`routing_weights`) of float32 scores (..., E) ->
+    (selected experts (..., k), their weights (..., k) float32)."""
+    idx = top_experts(scores, bias, top_k, in_order)
+    return idx, routing_weights(scores, idx, renormalise, scaling)
+
+
+def every_expert_up(x: Tensor, up: Tensor) -> Tensor:
+    """Every expert's activated up projection of every token: x (T, hidden), up (E, F, hidden) in any layout ->
+    relu2 (T, E, F), any layout."""
+    e, f, h = up.shape
+    if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
+        return relu2(torch.mm(x, up.view(e * f, h).t())).view(x.shape[0], e, f)
+    # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
+    return relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
+
+
+def dense_routing(idx: Tensor, weights: Tensor, num_experts: int) -> Tensor:
+    """The routing as a dense matrix: idx, weights (T, k) -> (T, E) in weights' dtype, each token's weight
+    at its selected experts and zero at the others."""
+    return weights.new_zeros(idx.shape[0], num_experts).scatter(1, idx, weights)
+
+
+def mix_down(act: Tensor, mix: Tensor, down: Tensor, residual: Tensor | None = None) -> Tensor:
+    """Scale every expert's activations by its routing weight and project down, summing over experts.
+
+    act: (T, E, F), any layout; mix: (T, E) routing weights in act's dtype (zero for unselected experts);
+    down: (E, hidden, F). Returns (T, hidden), plus ``residual`` (T, hidden) when given: one of act's dtype is
+    added by the GEMM (one rounding), one of another (a float32 residual stream) after it, promoted. With
+    ``down`` stored inputs-major the stacked (E * F, hidden) matrix is a view and this is one GEMM; else a
+    batched matmul and a sum over experts.
+    """
+    t, e, f = act.shape
+    act = act * mix.unsqueeze(-1)
+    down_t = down.transpose(1, 2)  # (E, F, hidden)
+    fused = residual is not None and residual.dtype == act.dtype
+    if down_t.is_contiguous():
+        flat = act.reshape(t, e * f)
+        stacked = down_t.view(e * f, -1)
+        if fused:
+            return torch.addmm(residual, flat, stacked)
+        out = flat @ stacked
+    else:
+        out = torch.bmm(act.transpose(0, 1), down_t).sum(0)
+        if fused:
+            return out.add_(residual)
+    return out if residual is None else residual + out
+
+
+def dense_experts(
+    x: Tensor, idx: Tensor, weights: Tensor, up: Tensor, down: Tensor, residual: Tensor | None = None
+) -> Tensor:
+    """Every expert on every token, mixed by the routing (zero for unselected experts): x (T, hidden) in the
+    experts' dtype, idx / weights (T, k), up (E, F, hidden), down (E, hidden, F) -> (T, hidden) (+ residual, as
+    :func:`mix_down` adds it). The same sum as running only the selected experts (an unselected one adds an
+    exact 0), in a handful of large ops."""
+    act = every_expert_up(x, up)
+    mix = dense_routing(idx, weights, up.shape[0]).to(act.dtype)
+    return mix_down(act, mix, down, residual)
+
+
 # F.grouped_mm has a CPU kernel from torch 2.9 (public name from 2.10); up to 2.10 it required 16-byte
 # aligned inputs, which memory-mapped checkpoints do not guarantee.
 _HAS_GROUPED_MM: bool = hasattr(F, "grouped_mm") and tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
@@ -90,7 +187,7 @@ class TopKRouter(nn.Module):
         selection score is -inf): with a 0/1 mask this is exactly the router of the sliced model,
         even where a kept expert's ``scores + bias`` is negative.
         """
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # 1.
+        scores = router_scores(x, self.weight)  # 1.
         choice = scores + self.e_score_correction_bias.float()  # 2.
         if expert_mask is not None:
             m = expert_mask.float()
@@ -104,10 +201,7 @@ class TopKRouter(nn.Module):
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
             choice = choice.masked_fill(~group_mask.repeat_interleave(grouped.shape[-1], dim=1), -torch.inf)
         idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        if self.norm_topk_prob:  # 3.
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling
+        return idx, routing_weights(scores, idx, self.norm_topk_prob, self.scaling)  # 3.
 
 
 def expert_loop(
@@ -237,47 +331,20 @@ class Experts(nn.Module):
         """Every expert on every token, mixed with the routing weights (zero for unselected experts).
 
         Same sum as :meth:`_grouped` (an unselected expert adds an exact 0) in a handful of large ops instead
-        of sort + bincount + gather + a loop over experts + scatter. The routing weights scale the (T, E, F)
-        activations before the down projection, so the down projection sums over experts by itself
-        (:meth:`mix_down`).
+        of sort + bincount + gather + a loop over experts + scatter (:func:`dense_experts`, with the FFN mask and
+        the observer between its steps). The routing weights scale the (T, E, F) activations before the down
+        projection, so the down projection sums over experts by itself (:func:`mix_down`).
         """
-        t, k = idx.shape
-        act = self.every_expert_up(x)
+        t = idx.shape[0]
+        up, down = self.up_proj, self.down_proj
+        act = every_expert_up(x, up)
         if ffn_mask is not None:
             act = act * ffn_mask.to(act.dtype)
         if observer is not None:
-            ys = torch.bmm(act.transpose(0, 1), self.down_proj.transpose(1, 2))  # (E, T, hidden): per expert
+            ys = torch.bmm(act.transpose(0, 1), down.transpose(1, 2))  # (E, T, hidden): per expert
             rows = torch.arange(t, device=x.device)[:, None]
             observer(idx, weights.detach(), ys.detach()[idx, rows].float().norm(dim=-1))
-        mix = weights.new_zeros(t, self.num_experts).scatter_(1, idx, weights).to(act.dtype)  # (T, E)
-        return self.mix_down(act, mix)
-
-    def every_expert_up(self, x: Tensor) -> Tensor:
-        """Every expert's activated up projection of every token: x (T, hidden) -> (T, E, F), any layout."""
-        up = self.up_proj
-        e, f, h = up.shape
-        if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM for every expert
-            return relu2(torch.mm(x, up.view(e * f, h).t())).view(x.shape[0], e, f)
-        # strided experts (a budget view, or stored inputs-major): batched, never a copy of them
-        return relu2(torch.matmul(x, up.transpose(1, 2))).transpose(0, 1)  # (T, E, F) view of (E, T, F)
-
-    def mix_down(self, act: Tensor, mix: Tensor, residual: Tensor | None = None) -> Tensor:
-        """Scale every expert's activations by its routing weight and project down, summing over experts.
-
-        act: (T, E, F), any layout; mix: (T, E) routing weights (zero for unselected experts); residual:
-        (T, hidden) added by the GEMM when given. Returns (T, hidden). With ``down_proj`` stored
-        inputs-major the stacked (E * F, hidden) matrix is a view and this is one GEMM; else a batched
-        matmul and a sum over experts.
-        """
-        t, e, f = act.shape
-        act = act * mix.unsqueeze(-1)
-        down_t = self.down_proj.transpose(1, 2)  # (E, F, hidden)
-        if down_t.is_contiguous():
-            flat = act.reshape(t, e * f)
-            down = down_t.view(e * f, -1)
-            return flat @ down if residual is None else torch.addmm(residual, flat, down)
-        out = torch.bmm(act.transpose(0, 1), down_t).sum(0)
-        return out if residual is None else out.add_(residual)
+        return mix_down(act, dense_routing(idx, weights, self.num_experts).to(act.dtype), down)
 
 
 class MoE(nn.Module):

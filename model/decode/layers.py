@@ -21,7 +21,7 @@ from model.cache import HybridCache, MambaCache
 from model.decode.ops import cast, linear, rms_norm
 from model.hybrid import Block
 from model.mamba import conv_step
-from model.moe import Experts, expert_path
+from model.moe import Experts, dense_experts, expert_path, route, router_scores, top_experts
 from model.ssd import ssd_step
 
 F32 = torch.float32
@@ -226,20 +226,14 @@ class MoEStep(_Step):
             return self.dense_rows(h, base)
         return self.rows(h, base)
 
-    def scores(self, h: Tensor) -> tuple[Tensor, Tensor]:
-        """The router's float32 scores (T, E) = sigmoid(h @ weight.T) and the selection scores (+ bias)."""
-        gate = self.gate
-        scores = torch.sigmoid(F.linear(cast(h, F32), cast(gate._parameters["weight"], F32)))
-        return scores, scores + cast(gate._buffers["e_score_correction_bias"], F32)
-
     def one(self, h: Tensor, base: Tensor, fresh: bool) -> Tensor:
         """h: (1, hidden) normed token, base: (1, hidden) residual (+ shared expert) -> base + routed experts.
 
         ``fresh``: base is a tensor of this step's own (the shared expert's output), so the experts' outputs
         are added onto it in place; otherwise (the residual stream itself) onto a new tensor."""
         gate, params = self.gate, self.experts._parameters
-        scores, choice = self.scores(h)  # (1, E)
-        idx = torch.topk(choice, gate.top_k, sorted=False).indices
+        scores = router_scores(h, gate._parameters["weight"])  # (1, E)
+        idx = top_experts(scores, gate._buffers["e_score_correction_bias"], gate.top_k, in_order=False)
         ids = idx.view(-1).tolist()
         ws = scores.view(-1).tolist()
         ws = [ws[e] for e in ids]
@@ -255,25 +249,16 @@ class MoEStep(_Step):
     def dense_rows(self, h: Tensor, base: Tensor) -> Tensor:
         """h: (T, hidden) normed tokens, base: (T, hidden) -> base + routed experts, every expert on every row.
 
-        The routing weights (the router's, renormalised and scaled in place) are scattered into a dense
-        (T, E) matrix that scales each expert's activations; the down projection then sums over experts
-        (:meth:`Experts.every_expert_up <model.moe.Experts.every_expert_up>` /
-        :meth:`~model.moe.Experts.mix_down`, the dense path's own arithmetic).
+        The router's arithmetic (:func:`~model.moe.router_scores`, :func:`~model.moe.route`), then the routing
+        weights scattered into a dense (T, E) matrix that scales each expert's activations, the down projection
+        summing over experts and adding the residual (:func:`~model.moe.dense_experts`, the dense path's own
+        arithmetic).
         """
-        gate = self.gate
-        scores, choice = self.scores(h)
-        idx = torch.topk(choice, gate.top_k, sorted=False).indices  # (T, k)
-        w = scores.gather(1, idx)
-        if gate.norm_topk_prob:
-            w = w.div_(w.sum(-1, keepdim=True).add_(1e-20))
-        if gate.scaling != 1.0:
-            w = w.mul_(gate.scaling)
-        experts = self.experts
-        act = experts.every_expert_up(h)  # (T, E, F)
-        mix = cast(torch.zeros_like(scores).scatter_(1, idx, w), act.dtype)  # (T, E), zero for unselected experts
-        if base.dtype == act.dtype:
-            return experts.mix_down(act, mix, base)  # the residual added by the down GEMM
-        return base + experts.mix_down(act, mix)  # a float32 residual stream: promoted, as the layer adds it
+        gate, params = self.gate, self.experts._parameters
+        scores = router_scores(h, gate._parameters["weight"])
+        bias = gate._buffers["e_score_correction_bias"]
+        idx, w = route(scores, bias, gate.top_k, gate.norm_topk_prob, gate.scaling, in_order=False)  # (T, k)
+        return dense_experts(h, idx, w, params["up_proj"], params["down_proj"], base)
 
     def rows(self, h: Tensor, base: Tensor) -> Tensor:
         """h: (T, hidden) normed tokens, base: (T, hidden) -> base + routed experts (router and experts as

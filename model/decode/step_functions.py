@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.mamba import conv_step
+from model.moe import dense_experts, route, router_scores
 from model.ssd import ssd_step
 
 F32 = torch.float32
@@ -177,32 +178,13 @@ def moe_step(
     base = x if shared is None else mlp_one(h, shared[0], shared[1], x)
     if x.shape[0] != 1:
         return moe_rows(h, base, gate, score_bias, up, down, routing)
-    hf = h.view(-1).to(F32)
-    scores = torch.sigmoid(gemv(hf, gate))  # (E,)
-    idx = torch.topk(scores + score_bias.to(F32), top_k, sorted=False).indices  # (k,)
-    w = scores[idx]
-    if renormalise:
-        w = w / (w.sum() + 1e-20)
-    w = w * scaling
+    scores = torch.sigmoid(gemv(h.view(-1).to(F32), gate))  # (E,): the router's scores as one GEMV
+    idx, w = route(scores, score_bias, top_k, renormalise, scaling, in_order=False)  # (k,), (k,)
     hq = h.view(-1).to(dtype).to(F32)
     act = torch.relu((hq * up[idx].to(F32)).sum(-1).to(dtype)).square()  # (k, F)
     y = (act.to(F32)[:, None, :] * down[idx].to(F32)).sum(-1).to(dtype)  # (k, H)
     routed = (w[:, None] * y.to(F32)).sum(0, keepdim=True)
     return (base.to(F32) + routed).to(base.dtype)
-
-
-def routing_weights(
-    h: Tensor, gate: Tensor, score_bias: Tensor, routing: tuple[int, bool, float]
-) -> tuple[Tensor, ...]:
-    """The router of several tokens (:class:`~model.moe.TopKRouter`): h (rows, hidden) -> (float32 scores
-    (rows, E), selected experts (rows, k), their weights (rows, k) renormalised and scaled)."""
-    top_k, renormalise, scaling = routing
-    scores = torch.sigmoid(F.linear(h.to(F32), gate.to(F32)))  # (rows, E)
-    idx = torch.topk(scores + score_bias.to(F32), top_k, sorted=False).indices  # (rows, k)
-    w = scores.gather(1, idx)
-    if renormalise:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return scores, idx, w * scaling
 
 
 def moe_rows(
@@ -215,13 +197,16 @@ def moe_rows(
     routing: tuple[int, bool, float],
 ) -> Tensor:
     """The routed experts of several tokens: h (rows, hidden) normed tokens, base (rows, hidden) -> base +
-    routed experts. Half-precision experts take the grouped path (:func:`moe_grouped_rows`), float32 ones
-    the dense pass (:func:`moe_dense_rows`): the grouped GEMM's shape function, which tracing runs, takes
-    bfloat16 / float16 only."""
-    scores, idx, w = routing_weights(h, gate, score_bias, routing)
+    routed experts. The router of :class:`~model.moe.TopKRouter` (:func:`~model.moe.router_scores`,
+    :func:`~model.moe.route`); half-precision experts take the grouped path (:func:`moe_grouped_rows`), float32
+    ones the dense pass (:func:`~model.moe.dense_experts`): the grouped GEMM's shape function, which tracing
+    runs, takes bfloat16 / float16 only."""
+    top_k, renormalise, scaling = routing
+    scores = router_scores(h, gate)  # (rows, E)
+    idx, w = route(scores, score_bias, top_k, renormalise, scaling, in_order=False)  # (rows, k)
     if up.dtype in (torch.bfloat16, torch.float16):
         return moe_grouped_rows(h, base, idx, w, up, down)
-    return moe_dense_rows(h, base, scores, idx, w, up, down)
+    return dense_experts(h.to(up.dtype), idx, w, up, down, base)
 
 
 def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -239,30 +224,6 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (rows * k, hidden)
     weights = w.reshape(-1)[order].to(ys.dtype)
     return base + ys.new_zeros(h.shape[0], ys.shape[-1]).index_add(0, token, ys * weights[:, None])
-
-
-def moe_dense_rows(h: Tensor, base: Tensor, scores: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """:meth:`MoEStep.dense_rows <model.decode.layers.MoEStep.dense_rows>`: every expert's activated up
-    projection of every row (one GEMM over the experts stacked, a batched one for strided stacks), scaled by a
-    dense (rows, E) routing matrix (zero for unselected experts), projected down and summed over experts by
-    one GEMM (a batched one and a sum for strided stacks)."""
-    e, f, hidden = up.shape
-    rows, dtype = h.shape[0], up.dtype
-    mix = torch.zeros_like(scores).scatter(1, idx, w).to(dtype)  # (rows, E)
-    hd = h.to(dtype)
-    if up.stride(0) == f * up.stride(1):  # (E*F, H) is a view: one GEMM
-        act = torch.relu(torch.mm(hd, up.view(e * f, hidden).t())).square().view(rows, e, f)
-    else:
-        act = torch.relu(torch.matmul(hd, up.transpose(1, 2))).square().transpose(0, 1)  # (rows, E, F)
-    act = act * mix[:, :, None]
-    down_t = down.transpose(1, 2)  # (E, F, H)
-    if down_t.is_contiguous():
-        flat, stacked = act.reshape(rows, e * f), down_t.view(e * f, hidden)
-        if base.dtype == dtype:
-            return torch.addmm(base, flat, stacked)  # the residual as the GEMM's addend, as the eager step
-        return base + torch.mm(flat, stacked)  # a float32 residual stream: promoted
-    routed = torch.bmm(act.transpose(0, 1), down_t).sum(0)
-    return routed + base if base.dtype == dtype else base + routed
 
 
 def attention_in(
@@ -373,7 +334,6 @@ __all__ = [
     "head_step",
     "mamba_step",
     "mlp_step",
-    "moe_dense_rows",
     "moe_grouped_rows",
     "moe_rows",
     "moe_step",

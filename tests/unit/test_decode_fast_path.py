@@ -18,7 +18,7 @@ from model.decode.ops import linear, rms_norm
 from model.elastic import Architecture
 from model.hybrid import HybridLM
 from model.masks import ModelMask, prefix_mask
-from model.moe import Experts, expert_loop, expert_path
+from model.moe import Experts, TopKRouter, dense_experts, expert_loop, expert_path, route, router_scores
 from tests.conftest import TINY
 
 ATOL = 1e-5
@@ -432,6 +432,49 @@ def test_dense_expert_path_with_either_down_layout(inputs_major, t):
         for obs in (None, observe):
             assert (ex._dense(x, idx, w, mask, obs) - ref).abs().max().item() <= ATOL
         assert (norms[0] - norms[1]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_the_tensor_routing_and_dense_experts_equal_the_modules(renormalise):
+    """:func:`~model.moe.route` of :func:`~model.moe.router_scores` is the router without masks (the same experts
+    in the same order; unsorted, the same set and weights), on one token's (E,) scores too; and
+    :func:`~model.moe.dense_experts` is the residual plus the grouped path, with either down layout and with a
+    residual of the experts' dtype (added by the GEMM) or a float32 one (promoted)."""
+    router = TopKRouter(HybridConfig(**{**TINY, "n_routed_experts": 8, "norm_topk_prob": renormalise}))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+        router.scaling = 2.5
+    x = torch.randn(5, TINY["hidden_size"], generator=g)
+    idx, w = router(x)
+    scores = router_scores(x, router.weight)
+    args = (router.e_score_correction_bias, router.top_k, renormalise, router.scaling)
+    got_idx, got_w = route(scores, *args)
+    assert torch.equal(got_idx, idx) and torch.equal(got_w, w)
+    any_idx, any_w = route(scores, *args, in_order=False)
+    order = any_idx.argsort(-1)  # the router sorts by score; compare the sets by expert index
+    assert torch.equal(any_idx.gather(1, order), idx.sort(-1).values)
+    assert torch.equal(any_w.gather(1, order), w.gather(1, idx.argsort(-1)))
+    one_idx, one_w = route(scores[0], *args)
+    assert torch.equal(one_idx, idx[0]) and torch.equal(one_w, w[0])
+
+    ex = _experts()
+    h = torch.randn(3, 16, generator=g)
+    idx, w = _routing(3, 2, 8, seed=3)
+    for inputs_major in (False, True):
+        if inputs_major:
+            with torch.no_grad():
+                ex.down_proj.data = ex.down_proj.detach().transpose(1, 2).contiguous().transpose(1, 2)
+        up, down = ex.up_proj.detach(), ex.down_proj.detach()
+        ref = ex._grouped(h, idx, w, None, None).detach()
+        assert (dense_experts(h, idx, w, up, down) - ref).abs().max().item() <= ATOL
+        base = torch.randn(3, 16, generator=g)
+        assert (dense_experts(h, idx, w, up, down, base) - (base + ref)).abs().max().item() <= ATOL
+        hb, ub, db = h.bfloat16(), up.bfloat16(), down.bfloat16()
+        promoted = dense_experts(hb, idx, w, ub, db, base)  # a float32 residual stream on bf16 experts
+        assert promoted.dtype == torch.float32
+        assert torch.equal(promoted, base + dense_experts(hb, idx, w, ub, db))
 
 
 @pytest.mark.parametrize("t", [1, 3, 6, 40])
