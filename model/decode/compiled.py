@@ -150,7 +150,12 @@ def mlp_args(step: MLPStep, projection: ProjectionOf) -> tuple[Any, ...] | None:
     return (step.norm_params["weight"], step.eps, up, down)
 
 
-def mamba_args(step: MambaStep, layer: object, projection: ProjectionOf) -> tuple[Any, ...] | None:
+def mamba_args(
+    step: MambaStep, layer: object, projection: ProjectionOf
+) -> tuple[tuple[Any, ...], tuple[Tensor, ...]] | None:
+    """:func:`~model.decode.step_functions.mamba_step`'s arguments after x for this layer, and its per-row
+    arguments among them (the conv and SSM states: the very tensors passed, whose row dimension a several-rows
+    graph marks dynamic), or None when it cannot run compiled (no state yet, a projection it cannot read)."""
     in_p, out_p = projection(step.in_proj), projection(step.out_proj)
     if not isinstance(layer, MambaCache) or in_p is None or out_p is None:
         return None
@@ -158,7 +163,7 @@ def mamba_args(step: MambaStep, layer: object, projection: ProjectionOf) -> tupl
         step.derive()
     shape = (tuple(step.sizes), tuple(step.xbc_sizes), step.heads, step.head_dim, step.groups, step.state)
     conv, ssm = state_layout(layer.conv, layer.ssm)
-    return (
+    args = (
         step.norm_params["weight"],
         step.eps,
         in_p,
@@ -174,6 +179,7 @@ def mamba_args(step: MambaStep, layer: object, projection: ProjectionOf) -> tupl
         out_p,
         (*shape, float(step.dt_min), float(step.dt_max)),
     )
+    return args, (conv, ssm)
 
 
 def moe_args(
@@ -319,14 +325,22 @@ class CompiledStep:
             del self.expert_copies[id(experts)]
         return up, down
 
-    def layer_args(self, cache: HybridCache, segment: Segment) -> list[tuple[str, tuple[Any, ...]]] | None:
-        """Each layer's (kind, arguments) for :func:`segment`, or None when one cannot run compiled now."""
+    def layer_args(
+        self, cache: HybridCache, segment: Segment
+    ) -> tuple[list[tuple[str, tuple[Any, ...]]], list[Tensor]] | None:
+        """Each layer's (kind, arguments) for :func:`segment` and the per-row tensors among them (the Mamba
+        states), or None when one cannot run compiled now."""
         out: list[tuple[str, tuple[Any, ...]]] = []
+        per_row: list[Tensor] = []
         for i in segment.layers:
             step = self.steps[i]
             kind = type(step)
             if kind is MambaStep:
-                args, name = mamba_args(step, cache.layers[i], self.projection), "mamba"
+                built, name = mamba_args(step, cache.layers[i], self.projection), "mamba"
+                if built is None:
+                    return None
+                args, states = built
+                per_row += states
             elif kind is MoEStep:
                 args, name = moe_args(step, self.projection, self.experts), "moe"
             else:
@@ -334,14 +348,16 @@ class CompiledStep:
             if args is None:
                 return None
             out.append((name, args))
-        return out
+        return out, per_row
 
-    def arguments(self, x: Tensor, cache: HybridCache) -> list[tuple[list[tuple[str, tuple[Any, ...]]], Any]] | None:
+    def arguments(
+        self, x: Tensor, cache: HybridCache
+    ) -> list[tuple[list[tuple[str, tuple[Any, ...]]], Any, list[Tensor]]] | None:
         """Every segment's (layer arguments for :func:`~model.decode.step_functions.segment`, then its attention
-        layer's q, k, v, o projections, or the LM head's projection for the last segment), or None when this
-        step cannot run compiled: a row count it is switched off for (:attr:`one_row`, :attr:`several_rows`),
-        a layer kind or a projection it cannot read (a hook watches it, quantized), an attention cache not
-        started (no prefill)."""
+        layer's q, k, v, o projections, or the LM head's projection for the last segment, then the per-row
+        tensors among its layer arguments: :meth:`layer_args`), or None when this step cannot run compiled: a row
+        count it is switched off for (:attr:`one_row`, :attr:`several_rows`), a layer kind or a projection it
+        cannot read (a hook watches it, quantized), an attention cache not started (no prefill)."""
         if not self.covered or not (self.one_row if x.shape[0] == 1 else self.several_rows):
             return None
         plan = []
@@ -356,10 +372,11 @@ class CompiledStep:
                 ps = self.projection(self.lm_head)
                 if ps is None:
                     return None
-            args = self.layer_args(cache, seg)
-            if args is None:
+            built = self.layer_args(cache, seg)
+            if built is None:
                 return None
-            plan.append((args, ps))
+            layers, per_row = built
+            plan.append((layers, ps, per_row))
         return plan
 
     def runs(self, x: Tensor, cache: HybridCache) -> bool:
@@ -390,7 +407,10 @@ class CompiledStep:
         if rows > 1:
             mark(x, 0)
         segments, attentions, kv_layers = [], [], []
-        for seg, (layers, ps) in zip(self.segments, plan, strict=True):
+        for seg, (layers, ps, per_row) in zip(self.segments, plan, strict=True):
+            if rows > 1:  # the Mamba states
+                for t in per_row:
+                    mark(t, 0)
             if seg.attention is None:
                 segments.append((layers, ("head", (self.norm_f._parameters["weight"], self.norm_f.eps, ps))))
                 continue
@@ -415,12 +435,6 @@ class CompiledStep:
             pos = torch.full((1,), layer.length, dtype=torch.long, device=layer.k.device)
             attentions.append((layer.k, layer.v, pos, pad, (step.kv, step.heads, step.d), ps[3]))
             kv_layers.append(layer)
-        if rows > 1:
-            for layers, _ in segments:
-                for kind, args in layers:
-                    if kind == "mamba":  # the conv and SSM states
-                        mark(args[3], 0)
-                        mark(args[9], 0)
         _, states, (h, logits) = compiled_step()(x, segments, attentions)
         for seg, new in zip(self.segments, states, strict=True):
             mambas = [i for i in seg.layers if type(self.steps[i]) is MambaStep]
