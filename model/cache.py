@@ -19,6 +19,30 @@ import torch
 from torch import Tensor
 
 
+def canonical_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a fresh row-major buffer of ``shape`` (size-1 dimensions included: a compiled graph's guards
+    compare every stride, where ``is_contiguous`` ignores those of size-1 dimensions)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def kv_rows(t: Tensor, rows: Tensor, trim: int = 0) -> Tensor:
+    """Batch rows ``rows`` of a KV buffer t (batch, kv_heads, capacity, head_dim) without its first ``trim`` slots:
+    (len(rows), kv_heads, capacity - trim, head_dim) in a buffer of its own, row-major (canonical strides, size-1
+    dimensions included) at storage offset 0.
+
+    Never a view of the wider buffer: that would be a memory layout of its own to the compiled decode steps, whose
+    graphs guard on strides (a graph per trimmed width), and ``contiguous`` keeps a view whose only odd stride is
+    a size-1 dimension's."""
+    out = t[rows, :, trim:]  # advanced indexing: a copy
+    if out.stride() != canonical_strides(tuple(out.shape)) or out.storage_offset() != 0:
+        out = out.new_empty(out.shape).copy_(out)
+    return out
+
+
 @dataclass
 class KVCache:
     """Keys and values of one attention layer: (batch, kv_heads, capacity, head_dim); ``length`` used.
@@ -100,7 +124,8 @@ class HybridCache:
         """A cache holding only batch rows ``rows`` (e.g. to drop finished sequences).
 
         ``trim``: leading KV slots to drop from every row (padding all kept rows share, so at most the
-        smallest kept ``pad``); the rows' histories are unchanged.
+        smallest kept ``pad``); the rows' histories are unchanged, and a KV buffer's capacity shrinks by ``trim``.
+        Every KV buffer is one of the new cache's own (:func:`kv_rows`).
         """
         out: list[KVCache | MambaCache | None] = []
         for c in self.layers:
@@ -113,10 +138,7 @@ class HybridCache:
                     pad = pad if bool(pad.any()) else None
                 elif trim:
                     raise ValueError(f"select: trim {trim} on a cache without padding")
-                k, v = c.k[rows], c.v[rows]
-                if trim:
-                    k, v = k[:, :, trim:], v[:, :, trim:]
-                out.append(KVCache(k, v, c.length - trim, pad))
+                out.append(KVCache(kv_rows(c.k, rows, trim), kv_rows(c.v, rows, trim), c.length - trim, pad))
             elif isinstance(c, MambaCache):
                 out.append(MambaCache(c.conv[rows], c.ssm[rows]))
             else:
@@ -198,4 +220,13 @@ def concat_caches(caches: Sequence[HybridCache]) -> HybridCache:
     return new
 
 
-__all__ = ["KVCache", "MambaCache", "HybridCache", "concat_caches", "empty_cache", "clone_cache"]
+__all__ = [
+    "KVCache",
+    "MambaCache",
+    "HybridCache",
+    "canonical_strides",
+    "concat_caches",
+    "empty_cache",
+    "clone_cache",
+    "kv_rows",
+]

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from model.cache import HybridCache, MambaCache
+from model.cache import HybridCache, MambaCache, canonical_strides
 from model.cache_folder import cache_folder
 from model.decode.kernels import PREPARED, Prepared, joined_weight, source_key, source_weight
 from model.decode.layers import AttentionStep, MambaStep, MLPStep, MoEStep, ReferenceStep
@@ -114,16 +114,6 @@ def projection(module: nn.Module) -> Projection | None:
 
 
 # ---------------------------------------------------------------------- each layer's arguments
-def canonical_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a fresh row-major buffer of ``shape`` (size-1 dimensions included: a graph's guards
-    compare every stride, where ``is_contiguous`` ignores those of size-1 dimensions)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
 def state_layout(conv: Tensor, ssm: Tensor) -> tuple[Tensor, Tensor]:
     """A Mamba layer's states in the one layout the compiled steps are compiled for and return: the conv state
     (rows, conv_dim, K-1) time-major in a buffer of its own, the SSM state (rows, heads, head_dim, state)
@@ -417,14 +407,6 @@ class CompiledStep:
             step, layer = self.steps[seg.attention], cache.layers[seg.attention]
             segments.append((layers, ("attention", (step.norm_params["weight"], step.eps, *ps[:3]))))
             layer.reserve(layer.length + 1)  # a full buffer doubles here, outside the graph
-            if layer.k.stride() != canonical_strides(tuple(layer.k.shape)):
-                # A batch whose rows left with their shared leading padding trimmed (HybridCache.select) holds
-                # a view of a wider buffer: its own buffer once, or each such view would be a graph of its own.
-                # (new_empty: ``contiguous`` keeps a view whose only odd stride is a size-1 dimension's)
-                layer.k, layer.v = (
-                    layer.k.new_empty(layer.k.shape).copy_(layer.k),
-                    layer.v.new_empty(layer.v.shape).copy_(layer.v),
-                )
             # The capacity grows with the history: a dynamic dimension, so one graph serves every length.
             mark(layer.k, 2)
             mark(layer.v, 2)

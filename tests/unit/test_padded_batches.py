@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.cache import HybridCache, KVCache, MambaCache, clone_cache, concat_caches
+from model.cache import HybridCache, KVCache, MambaCache, canonical_strides, clone_cache, concat_caches, kv_rows
 from model.config import HybridConfig
 from model.decode import DecodePlan
 from model.decode.budget_view import budget_model
@@ -167,6 +167,30 @@ def test_select_with_trim_and_take_row_from_a_padded_batch():
         take_row(cache, 0, 6)
     with pytest.raises(ValueError, match="cuts into a row"):
         cache.select(torch.tensor([0, 1]), trim=1)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("kept", [[0], [0, 2]])
+def test_trimmed_rows_get_kv_buffers_of_their_own(kv_heads, kept):
+    """:func:`~model.cache.kv_rows` (what ``HybridCache.select`` keeps): the kept rows' slots from ``trim`` on, in
+    a row-major buffer of their own at offset 0 (size-1 dimensions' strides too: one row, one KV head), never a
+    view of the wider buffer; the trimmed cache's capacity is the rest, and it grows from there as any cache."""
+    assert canonical_strides((3, 1, 6, 4)) == (24, 24, 4, 1)
+    k = torch.randn(3, kv_heads, 9, 4)
+    rows = torch.tensor(kept)
+    got = kv_rows(k, rows, 3)
+    assert torch.equal(got, k[rows][:, :, 3:])
+    assert got.stride() == canonical_strides(tuple(got.shape)) and got.storage_offset() == 0
+    assert got.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+    assert torch.equal(kv_rows(k, rows), k[rows])
+    pad = torch.tensor([3, 5, 4])
+    cache = HybridCache([KVCache(k.clone(), k.clone() + 1, 8, pad), None])
+    kv = cache.select(rows, trim=3).layers[0]
+    assert kv.k.shape[2] == 6 and kv.length == 5 and kv.k.stride() == canonical_strides(tuple(kv.k.shape))
+    assert torch.equal(kv.v, kv.k + 1)
+    kv.append(torch.zeros(len(kept), kv_heads, 2, 4), torch.zeros(len(kept), kv_heads, 2, 4))
+    assert kv.length == 7 and kv.k.shape[2] == 12  # full at 6 slots: doubled, the history kept
+    assert torch.equal(kv.k[:, :, :5], k[rows][:, :, 3:8])
 
 
 @pytest.mark.parametrize("prefer", ["view", "masked"])
