@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from model.checkpoint import MANIFEST_NAME, CheckpointError, inspect_checkpoint
 from model.decode.budget_view import BudgetRegistry
 from model.elastic.arch import Architecture
 from model.phases import PhaseTokens
+
+if TYPE_CHECKING:
+    from model.quant import QuantLinear
 
 log = logging.getLogger("star_elastic.serving")
 
@@ -66,6 +69,10 @@ class LoadedModel:
     ``torch_threads``, set here before the plans, or the process's count. The decode thread runs with it
     (:class:`~components.serving.engine.Engine`): a compiled graph guards on the count, so any other would
     compile every graph again under traffic."""
+    dense_copies: tuple[QuantLinear, ...] = ()
+    """The quantized modules of every budget that keep a dense copy of their weight (each once), found at load
+    once their copies are allotted (``cache_dequantized``, ``dequant_cache_mib``); each makes its copy at its
+    first call (:func:`~model.quant.qlinear.held_dense_bytes` says what they hold)."""
 
     @classmethod
     def load(cls, folder: str | Path, config: ServingConfig) -> LoadedModel:
@@ -124,12 +131,17 @@ class LoadedModel:
             used = bound_dequantized_caches(budgets, int(config.dequant_cache_mib * 2**20), dense)
             log.info("dense copies of quantized weights: up to %.1f MiB (bound %.1f MiB)", used / 2**20,
                      config.dequant_cache_mib)  # fmt: skip
+        dense_copies: tuple[QuantLinear, ...] = ()
+        if fmt != "dense":
+            from model.quant import dense_copy_holders
+
+            dense_copies = tuple(dense_copy_holders([registry.get(n) for n in registry.names]))
         copy_bytes = None if config.decode_copy_mib is None else int(config.decode_copy_mib * 2**20)
         prepare_decode(registry, copy_bytes, config.decode_compile)
         tokenizer = TextTokenizer.load(folder, config.markers)
         cards = {n: cards[n] for n in registry.names}  # largest first
         tokens = PhaseTokens.from_tokenizer(tokenizer)
-        return cls(registry, tokenizer, tokens, cards, fmt, folder, torch.get_num_threads())
+        return cls(registry, tokenizer, tokens, cards, fmt, folder, torch.get_num_threads(), dense_copies)
 
 
 def prepare_decode(registry: BudgetRegistry, max_copy_bytes: int | None = None, compiled: bool = False) -> None:

@@ -162,15 +162,12 @@ class ServingState:
         }
 
     def dequantized_bytes(self) -> int:
-        """Bytes of the dense copies quantized weights hold now (each module once, every budget)."""
-        registry, seen, total = self.loaded.registry, set(), 0
-        for name in registry.names:
-            for module in registry.get(name).modules():
-                cache = getattr(module, "_dequant_cache", None)
-                if cache is not None and id(module) not in seen:
-                    seen.add(id(module))
-                    total += cache.nbytes
-        return total
+        """Bytes of the dense copies quantized weights hold now, every budget's (each module once): what the
+        modules found at load to keep one hold (:attr:`LoadedModel.dense_copies
+        <components.serving.loading.LoadedModel.dense_copies>`), without walking the budgets' modules."""
+        from model.quant import held_dense_bytes  # as loading does: a dense replica never needs the package
+
+        return held_dense_bytes(self.loaded.dense_copies)
 
     # ------------------------------------------------------------------ HTTP-level checks
     def authorize(self, request: Request) -> None:

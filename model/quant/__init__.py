@@ -48,6 +48,8 @@ from .qlinear import (
     QuantLinear,
     QuantPreset,
     bound_dequantized_caches,
+    dense_copy_holders,
+    held_dense_bytes,
     quantize_module,
 )
 from .quantize import quantize_checkpoint
@@ -68,6 +70,8 @@ __all__ = [
     "QuantFormat",
     "QuantLinear",
     "bound_dequantized_caches",
+    "dense_copy_holders",
+    "held_dense_bytes",
     "QuantPreset",
     "build_quantized_model",
     "calibrate_input_amax",

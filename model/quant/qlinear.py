@@ -438,3 +438,23 @@ def bound_dequantized_caches(models: Sequence[nn.Module], max_bytes: int, dtype:
                 module.clear_cache()
             used += nbytes if keep else 0
     return used
+
+
+def dense_copy_holders(models: Sequence[nn.Module]) -> list[QuantLinear]:
+    """The :class:`QuantLinear` modules of ``models`` (routed experts' included) that keep a dense copy of their
+    weight (``cache_dequantized``, as :func:`bound_dequantized_caches` leaves it), each once (a module shared by
+    several models counts once), model after model in module order. A module makes its copy at its first call:
+    :func:`held_dense_bytes` says what they hold at any time."""
+    out, seen = [], set()
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, QuantLinear) and module.cache_dequantized and id(module) not in seen:
+                seen.add(id(module))
+                out.append(module)
+    return out
+
+
+def held_dense_bytes(modules: Sequence[QuantLinear]) -> int:
+    """Bytes of the dense copies ``modules`` hold now (none before a module's first call, or after
+    :meth:`QuantLinear.clear_cache`)."""
+    return sum(cache.nbytes for m in modules if (cache := m._dequant_cache) is not None)

@@ -22,7 +22,9 @@ from model.quant import (
     QuantLinear,
     bound_dequantized_caches,
     calibrate_input_amax,
+    dense_copy_holders,
     dequantize_model,
+    held_dense_bytes,
     load_quantized_model,
     quantize_checkpoint,
 )
@@ -243,6 +245,23 @@ def test_dense_copies_stay_within_their_memory_bound(quantized, fmt):
     assert held == allotted
     assert bound_dequantized_caches([model], 0, torch.float32) == 0
     assert all(m._dequant_cache is None and not m.cache_dequantized for m in linears)
+
+
+def test_the_holders_of_dense_copies_are_found_once_and_report_what_they_hold(quantized):
+    """:func:`~model.quant.dense_copy_holders`: the modules a bound left a dense copy to, each once however many
+    models share it, in layer order; :func:`~model.quant.held_dense_bytes`: what they hold, nothing before their
+    first call, the allotted bytes after it."""
+    model = load_quantized_model(quantized["fp8"], cache_dequantized=True)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    bound = sum(m.out_features * m.in_features * 4 for m in linears) // 2
+    allotted = bound_dequantized_caches([model], bound, torch.float32)
+    holders = dense_copy_holders([model, model])
+    assert holders == [m for m in linears if m.cache_dequantized] and 0 < len(holders) < len(linears)
+    assert held_dense_bytes(holders) == 0  # the copies are made at a module's first call
+    with torch.no_grad():
+        model(input_ids())
+    assert held_dense_bytes(holders) == allotted
+    assert dense_copy_holders([load_quantized_model(quantized["fp8"], cache_dequantized=False)]) == []
 
 
 def test_bf16_compute(quantized):
