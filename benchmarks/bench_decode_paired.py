@@ -129,6 +129,10 @@ def _patch(name: str) -> None:
         CompiledStep.__init__ = one_row_only
         warm = plan.DecodePlan.warm
         plan.DecodePlan.warm = lambda self, *a, **kw: warm(self, *a, **{**kw, "rows": 0})
+    elif name == "python_wrapper":  # with 'compiled': inductor's Python code calls each graph's kernels
+        from model.decode import compiled
+
+        compiled.INDUCTOR_OPTIONS = {**compiled.INDUCTOR_OPTIONS, "cpp_wrapper": False}
     elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
         from model import generate
 
@@ -154,6 +158,7 @@ VARIANTS = {
     "compiled": "switched ON: one-row steps through compiled steps (model/decode/compiled.py), as serving's "
     "decode_compile does (compiled and measured at the plan's first step, kept where faster)",
     "one_row_compiled": "with 'compiled': only one-row steps compiled; several rows take the eager steps",
+    "python_wrapper": "with 'compiled': the graphs' kernels called from inductor's Python wrapper, not its C++ one",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 

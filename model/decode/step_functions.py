@@ -213,7 +213,9 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     """:class:`~model.moe.Experts`' grouped path (:meth:`MoEStep.rows <model.decode.layers.MoEStep.rows>`): the
     (row, expert) assignments idx / w (rows, k) sorted by expert (stably), each expert's slice through one
     grouped GEMM per projection (``F.grouped_mm``: the offsets are data, every shape static in rows * k), the
-    outputs scaled by their routing weights and summed back per row. Only the selected experts' work is done."""
+    outputs put back in (row, k) order, scaled by their routing weights and summed per row (a gather and a sum,
+    which inductor generates, where the eager path's ``index_add`` would leave the graph's C++ wrapper for a
+    Python fallback). Only the selected experts' work is done."""
     e, top_k = up.shape[0], idx.shape[1]
     flat = idx.reshape(-1)  # (rows * k,)
     order = flat.argsort(stable=True)
@@ -221,9 +223,10 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     offs = counts.cumsum(0).to(torch.int32)
     token = order // top_k
     act = torch.relu(F.grouped_mm(h.to(up.dtype)[token], up.transpose(1, 2), offs=offs)).square()  # (rows * k, F)
-    ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (rows * k, hidden)
-    weights = w.reshape(-1)[order].to(ys.dtype)
-    return base + ys.new_zeros(h.shape[0], ys.shape[-1]).index_add(0, token, ys * weights[:, None])
+    ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (rows * k, hidden), sorted by expert
+    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    ys = ys[back].view(h.shape[0], top_k, ys.shape[-1])  # (rows, k, hidden), each row's experts in idx order
+    return base + (ys * w.to(ys.dtype)[..., None]).sum(1)
 
 
 def attention_in(
