@@ -147,6 +147,47 @@ class HybridCache:
         new.seen_tokens = self.seen_tokens
         return new
 
+    def fill_from_tail(self, dst: Sequence[int], src: Sequence[int], size: int) -> None:
+        """Keep the first ``size`` batch rows, in place: rows ``src`` (each at least ``size``) are copied into the
+        slots ``dst`` (each below ``size``) of the same buffers, then every buffer is cut to its first ``size``
+        rows (a view: no other row moves, nothing is allocated).
+
+        How a continuous batch lets rows leave: the rows that leave free their slots, the last rows move into
+        those below the new size, and the step goes on over a prefix of the same buffers. A batch of n rows
+        copies one row's state per leaving row where :meth:`select` copies all the kept rows. The row order
+        changes (row ``src[i]`` is now row ``dst[i]``); the KV padding moves with its row and is not trimmed."""
+        if len(dst) != len(src) or any(d >= size for d in dst) or any(r < size for r in src):
+            raise ValueError(
+                f"fill_from_tail: rows {list(src)} must move from at or past {size} into {list(dst)} below it"
+            )
+        out: list[KVCache | MambaCache | None] = []
+        to = from_ = None
+        for c in self.layers:
+            if c is None:
+                out.append(None)
+                continue
+            device = c.k.device if isinstance(c, KVCache) else c.ssm.device
+            if to is None or to.device != device:
+                to = torch.tensor(list(dst), dtype=torch.long, device=device)
+                from_ = torch.tensor(list(src), dtype=torch.long, device=device)
+            if isinstance(c, KVCache):
+                if len(dst):
+                    c.k[to] = c.k[from_]
+                    c.v[to] = c.v[from_]
+                pad = None
+                if c.pad is not None:
+                    pad = c.pad.clone()
+                    pad[to] = pad[from_]
+                    pad = pad[:size]
+                    pad = pad if bool(pad.any()) else None
+                out.append(KVCache(c.k[:size], c.v[:size], c.length, pad))
+            else:
+                if len(dst):
+                    c.conv[to] = c.conv[from_]
+                    c.ssm[to] = c.ssm[from_]
+                out.append(MambaCache(c.conv[:size], c.ssm[:size]))
+        self.layers = out
+
     def nbytes(self) -> int:
         total = 0
         for c in self.layers:

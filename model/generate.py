@@ -280,14 +280,31 @@ class RowGroup:
         """A copy of row ``j``'s state (its Mamba states only, for a snapshot, when not ``kv``)."""
         return take_row(self.cache, j, self.row_length(j), kv=kv)
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only ``rows`` (batch indices, in order); padding every kept row has is dropped."""
+    def keep_rows(self, rows: list[int]) -> list[int]:
+        """Keep only ``rows`` (batch indices); returns the kept rows' old indices in their new batch order.
+
+        Rows leave by slot (:meth:`~model.cache.HybridCache.fill_from_tail`): the last kept rows move into the
+        slots the leaving rows free, one row's state each, and the batch goes on over a prefix of its buffers.
+        When every kept row has padding in common (the longest histories left), they are copied out in order
+        instead (:meth:`~model.cache.HybridCache.select`), that padding dropped, so attention stops reading it."""
         pads = [self.pads[j] for j in rows]
         trim = min(pads)
-        self.cache = self.cache.select(torch.tensor(rows, device=self.device), trim=trim)
-        self.logits = self.logits.index_select(0, torch.tensor(rows, device=self.logits.device))
-        self.pads = [p - trim for p in pads]
-        self.length -= trim
+        if trim:
+            self.cache = self.cache.select(torch.tensor(rows, device=self.device), trim=trim)
+            self.logits = self.logits.index_select(0, torch.tensor(rows, device=self.logits.device))
+            self.pads = [p - trim for p in pads]
+            self.length -= trim
+            return list(rows)
+        size, kept = len(rows), set(rows)
+        holes = [j for j in range(size) if j not in kept]
+        movers = [j for j in rows if j >= size]  # as many as the holes
+        self.cache.fill_from_tail(holes, movers, size)
+        order = list(range(size))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        self.logits = self.logits.index_select(0, torch.tensor(order, device=self.logits.device))
+        self.pads = [self.pads[j] for j in order]
+        return order
 
     def absorb(self, other: RowGroup) -> None:
         """Append ``other``'s rows (same model, both about to sample): shorter histories left-padded."""
@@ -350,9 +367,9 @@ def _decode_group(
         if not keep_rows:
             break
         if len(keep_rows) < len(alive):
-            group.keep_rows(keep_rows)
-            alive = [alive[j] for j in keep_rows]
-            nxt = [nxt[j] for j in keep_rows]
+            order = group.keep_rows(keep_rows)
+            alive = [alive[j] for j in order]
+            nxt = [nxt[j] for j in order]
         group.feed(nxt)
         if snapshot_ids:
             for j, (r, tok) in enumerate(zip(alive, nxt, strict=True)):

@@ -153,9 +153,7 @@ class Group(gen.RowGroup):
                 row.state = self.take(j)
             finished.append(row)
         if len(keep) < len(rows):
-            self.rows = [rows[j] for j in keep]
-            if keep:
-                self.keep_rows(keep)
+            self.rows = [rows[j] for j in self.keep_rows(keep)] if keep else []
         if self.rows:
             nxt = [r.tokens[-1] for r in self.rows]
             self.feed(nxt)

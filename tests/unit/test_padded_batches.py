@@ -227,3 +227,45 @@ def test_decode_rows_results_do_not_depend_on_batching():
     together = decode_rows(m, [RowStart(p) for p in prompts], params)
     for p, out in zip(prompts, together, strict=True):
         assert decode_rows(m, [RowStart(p)], params)[0].tokens == out.tokens
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@torch.no_grad()
+def test_rows_leave_by_slot_and_every_row_decodes_as_alone(fast):
+    """``RowGroup.keep_rows`` without padding common to the kept rows: the last rows move into the slots the
+    leaving rows free (``HybridCache.fill_from_tail``), the batch goes on over a prefix of the same buffers,
+    and every kept row's logits stay those of the row decoded alone; when the rows left hold padding in common
+    (the one row without padding left), they are copied out in order with that padding dropped."""
+    from model.generate import RowGroup
+
+    m = _model()
+    prompts, feeds = _prompts(9, [5, 3, 5, 6, 2, 5])
+    groups = [RowGroup(m, [RowStart(p)]) for p in prompts]
+    group = groups[0]
+    for other in groups[1:]:
+        group.absorb(other)
+    if not fast:
+        group.plan = None
+    kv = next(c for c in group.cache.layers if isinstance(c, KVCache))
+    buffer = kv.k.untyped_storage().data_ptr()
+    alive = list(range(len(prompts)))
+    got: dict[int, list[torch.Tensor]] = {r: [group.logits[j]] for j, r in enumerate(alive)}
+    leave_after = {1: [1, 4], 3: [3], 6: [0]}  # step -> original rows that leave (row 3 alone has no padding)
+    for t in range(len(feeds[0])):
+        if t in leave_after:
+            keep = [j for j, r in enumerate(alive) if r not in leave_after[t]]
+            order = group.keep_rows(keep)
+            assert sorted(order) == keep
+            alive = [alive[j] for j in order]
+            kv = next(c for c in group.cache.layers if isinstance(c, KVCache))
+            if t == 1:  # no padding common to the kept rows (row 3 has none): the same buffer, cut
+                assert kv.k.untyped_storage().data_ptr() == buffer and kv.k.shape[0] == len(alive)
+                assert order != keep  # the last row took a freed slot
+            if t == 3:  # padding common to the kept rows: copied out in order, trimmed
+                assert order == keep and kv.pad is None and kv.length == group.length
+        group.feed([feeds[r][t] for r in alive])
+        for j, r in enumerate(alive):
+            got[r].append(group.logits[j])
+    for r in alive:
+        want = _alone(m, prompts[r], feeds[r], fast)
+        assert (torch.stack(got[r]) - want).abs().max().item() <= ATOL
