@@ -73,10 +73,10 @@ def compiled_decode_default() -> bool:
 
 
 INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
-"""Inductor settings of the compiled step. ``cpp_wrapper``: the generated code that calls a graph's kernels is
-C++ rather than Python, so a one-row step (some 60 kernel calls and their buffers) costs no interpreter time
-between kernels; paired on the ~115M bfloat16 family it took the compiled one-row step from 6.4 / 4.0 / 3.1 ms
-to 4.6 / 3.6 / 3.0 ms (full / medium / small; benchmarks/RESULTS.md, variant ``python_wrapper``)."""
+"""Inductor settings of the compiled step. ``cpp_wrapper``: the code that calls a graph's kernels is C++ rather
+than Python, so a step costs no interpreter time between its kernels; paired against the Python wrapper on the
+~115M bfloat16 family, 16-row steps ran 1.27x (full) and 1.17x (medium) faster, one-row steps showed no
+consistent difference (benchmarks/RESULTS.md, "Inductor's C++ wrapper"; variant ``python_wrapper``)."""
 
 _COMPILED: Callable[..., Any] | None = None
 
