@@ -420,7 +420,9 @@ def test_malformed_requests_are_clear_4xx_and_the_replica_survives(http, base_ur
 
 
 def test_metrics_per_budget(http):
-    http.post("/v1/chat/completions", json=chat_body("medium"))
+    for budget in ("full", "medium", "small"):  # its own requests: the module's other tests may not run first
+        assert http.post("/v1/chat/completions", json=chat_body(budget)).status_code == 200
+    assert http.post("/v1/chat/completions", json={**chat_body("medium"), "max_tokens": "5"}).status_code == 400
     stats = http.get("/stats").json()
     assert stats["metrics_exported_to_ray"] is True
     ok = {(r["budget"], r["route"]) for r in stats["metrics"]["requests"] if r["status"] == 200}
