@@ -97,7 +97,13 @@ def test_a_budget_views_compiled_steps_read_its_runs_prefixes_and_strided_expert
 
 
 @torch.no_grad()
-def test_a_weight_changed_in_place_is_never_read_through_a_stale_copy():
+def test_a_weight_changed_in_place_is_never_read_through_a_stale_copy(monkeypatch):
+    from model.decode import plan as plan_module
+
+    # No measured kernel copies: which projections get one depends on timings (a projection with a fresh
+    # kernel copy needs none of the compiled step's), and the compiled step's own copies are under test.
+    measured = plan_module.prepare_decode_linears
+    monkeypatch.setattr(plan_module, "prepare_decode_linears", lambda model, **kw: measured(model, max_copy_bytes=0))
     parent = _model({})
     budget = budget_model(parent, Architecture(hidden=24, mamba_heads=2))
     plan = DecodePlan(budget, compiled=True)
