@@ -306,10 +306,20 @@ class RowGroup:
         self.pads = [self.pads[j] for j in order]
         return order
 
-    def absorb(self, other: RowGroup) -> None:
-        """Append ``other``'s rows (same model, both about to sample): shorter histories left-padded."""
+    def capacity(self) -> int:
+        """Rows this group holds and can take in place (free slots of its buffers: :meth:`absorb`)."""
+        return len(self.pads) + self.cache.spare_rows()
+
+    def absorb(self, other: RowGroup, rows: int = 0) -> None:
+        """Append ``other``'s rows (same model, both about to sample): shorter histories left-padded.
+
+        Rows join by slot (:meth:`~model.cache.HybridCache.join`): written into the free rows of this group's
+        buffers when there are enough and no history of ``other`` is longer than this group's; otherwise both
+        are copied into new buffers (:func:`~model.cache.concat_caches`) of at least ``rows`` rows (the batch's
+        most), so that later rows join in place."""
         length = max(self.length, other.length)
-        self.cache = concat_caches([self.cache, other.cache])
+        if other.length > self.length or not self.cache.join(other.cache):
+            self.cache = concat_caches([self.cache, other.cache], rows=rows)
         self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
         self.logits = torch.cat([self.logits, other.logits])
         self.length = length

@@ -346,26 +346,31 @@ def ssd_step(
     B: Tensor,
     C: Tensor,
     D: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advance the recurrence by one token (decoding); the one step every decode path uses.
 
     Args:
-        state: ``(batch, nheads, headdim, dstate)``; not modified.
+        state: ``(batch, nheads, headdim, dstate)``; not modified (unless it is ``out``).
         x: ``(batch, nheads, headdim)``.
         dt: ``(batch, nheads)``, positive.
         A: ``(nheads,)``, negative.
         B: ``(batch, ngroups, dstate)``.
         C: ``(batch, ngroups, dstate)``.
         D: optional ``(nheads,)``.
+        out: optional tensor of ``state``'s shape and dtype that receives the new state (``state`` itself for
+            an update in place); a contiguous one of the computing dtype is updated directly, no copy made.
 
     Returns:
-        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype``.
+        ``y`` ``(batch, nheads, headdim)`` in ``x.dtype`` and the new ``state`` in ``state.dtype`` (``out``
+        when given).
     """
     b, nheads, p, g, n = _check_step_inputs(state, x, dt, A, B, C, D)
     f = torch.float64 if state.dtype == torch.float64 else torch.float32  # float32 at least
     xf, dtf = _as(x, f), _as(dt, f)
     decay = torch.exp(dtf * _as(A, f)).view(b, nheads, 1, 1)
-    new = (_as(state, f) * decay).contiguous()
+    direct = out is not None and out.dtype == f and out.is_contiguous()
+    new = torch.mul(_as(state, f), decay, out=out) if direct else (_as(state, f) * decay).contiguous()
     # Heads of a group share B and C: the group's heads are the rows of one (hpg * headdim, dstate) block,
     # updated by a broadcast multiply-add and read out by a dot product over dstate (no repeat of B / C).
     rows = new.view(b, g, -1, n)
@@ -373,6 +378,8 @@ def ssd_step(
     y = torch.linalg.vecdot(rows, _as(C, f).view(b, g, 1, n)).view(b, nheads, p)
     if D is not None:
         y = y.addcmul_(xf, _as(D, f).view(nheads, 1))
+    if out is not None and not direct:
+        return _as(y, x.dtype), out.copy_(new)
     return _as(y, x.dtype), _as(new, state.dtype)
 
 

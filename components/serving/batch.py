@@ -94,9 +94,10 @@ class Group(gen.RowGroup):
                 job.emit("prompt", job.prompt_lp)
         self.prefill_logits = None  # every position's logits: not kept past the prompt's log-probabilities
 
-    def absorb(self, other: Group) -> None:
-        """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded."""
-        super().absorb(other)
+    def absorb(self, other: Group, rows: int = 0) -> None:
+        """Take ``other``'s rows (same model; both about to sample): one batch, shorter histories left-padded
+        (by slot where this batch's buffers have room: :meth:`model.generate.RowGroup.absorb`)."""
+        super().absorb(other, rows)
         self.rows = self.rows + other.rows
         other.rows = []
 

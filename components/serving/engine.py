@@ -144,18 +144,20 @@ class Engine:
     def _merge_groups(self) -> None:
         """Merge groups of one budget into as few batches of at most ``batch_max_size`` rows as fit.
 
-        Every group is about to sample here (prefilled, or stepped last iteration). Largest first, each
-        group joins the first batch with room for it.
+        Every group is about to sample here (prefilled, or stepped last iteration). Groups whose buffers hold
+        free rows first (a running batch: rows join it by slot, its own rows are not copied), then the largest,
+        each group joins the first batch with room for it; a batch made anew gets buffers of ``batch_max_size``
+        rows.
         """
         size = self.config.batch_max_size
         merged: list[Group] = []
-        for group in sorted(self._groups, key=lambda g: -len(g.rows)):
+        for group in sorted(self._groups, key=lambda g: (-g.capacity(), -len(g.rows))):
             target = next((t for t in merged if t.model is group.model and len(t.rows) + len(group.rows) <= size), None)
             if target is None:
                 merged.append(group)
                 continue
             try:
-                target.absorb(group)
+                target.absorb(group, rows=size)
             except Exception as err:  # a failed merge fails the joining requests, not the batch
                 self._fail(group.rows, err)
                 group.rows = []

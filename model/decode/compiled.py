@@ -423,11 +423,13 @@ class CompiledStep:
             pos = torch.full((1,), layer.length, dtype=torch.long, device=layer.k.device)
             attentions.append((layer.k, layer.v, pos, pad, (step.kv, step.heads, step.d), ps[3]))
             kv_layers.append(layer)
-        _, states, (h, logits) = compiled_step()(x, segments, attentions)
-        for seg, new in zip(self.segments, states, strict=True):
+        _, (h, logits) = compiled_step()(x, segments, attentions)
+        for seg, (_, _, per_row) in zip(self.segments, plan, strict=True):  # states updated in place
             mambas = [i for i in seg.layers if type(self.steps[i]) is MambaStep]
-            for i, (conv, ssm) in zip(mambas, new, strict=True):
-                cache.layers[i] = MambaCache(conv, ssm)
+            for i, conv, ssm in zip(mambas, per_row[0::2], per_row[1::2], strict=True):
+                layer = cache.layers[i]
+                if layer.conv is not conv or layer.ssm is not ssm:  # laid out anew by state_layout
+                    cache.layers[i] = MambaCache(conv, ssm)
         for layer in kv_layers:
             layer.length += 1
         return h, logits

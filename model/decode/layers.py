@@ -7,8 +7,9 @@ for one). They take fewer operators than the layers: no mask or dtype branches, 
 the last GEMM, a single token's expert routing finished on the host, several tokens' routing and experts
 in one dense pass, the Mamba step's weight-derived tensors computed once when the step is built. The conv
 and the SSM advance through the same :func:`~model.mamba.conv_step` and :func:`~model.ssd.ssd_step` as the
-layer, which return new states. A case a step does not cover (an empty cache, an observer on the router,
-quantized experts) runs the layer itself (:class:`ReferenceStep`).
+layer; states that are a batch's buffers (:meth:`MambaCache.owned <model.cache.MambaCache.owned>`) are
+written in place, others replaced by new ones, as the layer does. A case a step does not cover (an empty
+cache, an observer on the router, quantized experts) runs the layer itself (:class:`ReferenceStep`).
 """
 
 from __future__ import annotations
@@ -137,9 +138,15 @@ class MambaStep(_Step):
         proj = linear(self.in_proj, self.normed(x))  # 1.
         z, xbc, dt = proj.split_with_sizes(self.sizes, -1)
         act, conv_state = conv_step(layer.conv, xbc, self.conv_weight, self.conv["bias"])  # 2.
+        # States in buffers with free rows for rows that join (model.cache) are written in place, so the
+        # buffers stay the batch's; other states are replaced, as the model's forward does.
+        owned = layer.owned()
+        if owned:
+            conv_state = layer.conv.copy_(conv_state)
         xs, B, C = F.silu(act, inplace=True).split_with_sizes(self.xbc_sizes, -1)
         dt = F.softplus(cast(dt, F32) + self.dt_bias).clamp_(self.dt_min, self.dt_max)  # 3.
-        y, ssm = ssd_step(layer.ssm, xs.view(b, h, p), dt, self.A, B.view(b, g, n), C.view(b, g, n), self.D)
+        xs, B, C = xs.view(b, h, p), B.view(b, g, n), C.view(b, g, n)
+        y, ssm = ssd_step(layer.ssm, xs, dt, self.A, B, C, self.D, out=layer.ssm if owned else None)
         gated = F.silu(cast(z, F32))  # 4. gated group norm, float32 statistics
         if g == 1:
             gated = rms_norm(gated.mul_(y.view(b, -1)), None, self.norm_eps)
@@ -147,7 +154,7 @@ class MambaStep(_Step):
             gated = rms_norm(gated.view(b, g, -1).mul_(y.view(b, g, -1)), None, self.norm_eps).view(b, -1)
         weight = self.norm_weight["weight"]
         gated = cast(gated, weight.dtype).mul_(weight)
-        cache.layers[index] = MambaCache(conv_state, ssm)
+        cache.layers[index] = MambaCache(conv_state, ssm, layer.base if owned else None)
         return linear(self.out_proj, gated, x)
 
 

@@ -130,9 +130,10 @@ def mamba_step(
     gate_eps: float,
     out_proj: Projection,
     shape: tuple[tuple[int, ...], tuple[int, ...], int, int, int, int, float, float],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """A Mamba block (:class:`~model.decode.layers.MambaStep`): x (rows, hidden) -> (output (rows, hidden), the
-    new conv state (rows, conv_dim, K-1), the new SSM state (rows, heads, head_dim, state)).
+) -> Tensor:
+    """A Mamba block (:class:`~model.decode.layers.MambaStep`): x (rows, hidden) -> output (rows, hidden); the
+    new states are written into ``conv_state`` (rows, conv_dim, K-1) and ``ssm_state`` (rows, heads, head_dim,
+    state) in place (a batch's buffers stay its own: rows join by slot, :mod:`model.cache`).
 
     ``shape``: (in_proj split sizes [z, xBC, dt], xBC split sizes [x, B, C], heads, head_dim, groups, state
     size, dt_min, dt_max)."""
@@ -141,17 +142,15 @@ def mamba_step(
     proj = project(rms(x, norm, eps), in_proj)
     z, xbc, dt = proj.split_with_sizes(list(sizes), -1)
     act, conv = conv_step(conv_state, xbc, conv_weight, conv_bias)
-    # The new state in a time-major buffer of its own (:func:`model.decode.compiled.state_layout`'s layout): one
-    # layout, one graph. A view of the window would differ in its row stride, and ``contiguous`` would keep that
-    # view for one row (a size-1 dimension's stride does not count for it; the graphs' guards compare it).
-    conv = conv.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
+    conv_state.copy_(conv)
     xs, B, C = F.silu(act).split_with_sizes(list(xbc_sizes), -1)
     dt = F.softplus(dt.to(F32) + dt_bias).clamp(dt_min, dt_max)
     y, ssm = ssd_step(ssm_state, xs.view(b, h, p), dt, A, B.view(b, g, n), C.view(b, g, n), D)
+    ssm_state.copy_(ssm)
     gated = F.silu(z.to(F32)).view(b, g, -1) * y.view(b, g, -1)  # gated group norm, float32 statistics
     gated = rms(gated, None, gate_eps).view(b, -1)
     gated = gated.to(gate_norm.dtype) * gate_norm
-    return project(gated, out_proj, x), conv, ssm
+    return project(gated, out_proj, x)
 
 
 def moe_step(
@@ -248,9 +247,9 @@ def segment(
     attention: tuple[Tensor, Projection] | None,
     layers: list[tuple[str, tuple[Any, ...]]],
     tail: tuple[str, tuple[Any, ...]],
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]:
-    """The layers between two attention layers as one function: x (rows, hidden) -> (x after them, the new
-    (conv, SSM) states of their Mamba layers in order, the tail's outputs).
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The layers between two attention layers as one function: x (rows, hidden) -> (x after them, the tail's
+    outputs); their Mamba layers' states are updated in place (:func:`mamba_step`).
 
     ``attention``: the previous attention layer's output (rows, heads * head_dim) and its output projection,
     applied first with the residual (None at the start of the model); ``layers``: ("mamba" | "moe" | "mlp",
@@ -259,17 +258,15 @@ def segment(
     value, or ("head", :func:`head_step`'s) for the final norm and the logits."""
     if attention is not None:
         x = project(attention[0], attention[1], x)
-    states: list[tuple[Tensor, Tensor]] = []
     for kind, args in layers:
         if kind == "mamba":
-            x, conv, ssm = mamba_step(x, *args)
-            states.append((conv, ssm))
+            x = mamba_step(x, *args)
         elif kind == "moe":
             x = moe_step(x, *args)
         else:
             x = mlp_step(x, *args)
     kind, args = tail
-    return x, states, attention_in(x, *args) if kind == "attention" else head_step(x, *args)
+    return x, attention_in(x, *args) if kind == "attention" else head_step(x, *args)
 
 
 def attend(
@@ -310,20 +307,18 @@ def step(
     x: Tensor,
     segments: list[tuple[list[tuple[str, tuple[Any, ...]]], tuple[str, tuple[Any, ...]]]],
     attentions: list[tuple[Tensor, Tensor, Tensor, Tensor | None, tuple[int, int, int], Projection]],
-) -> tuple[Tensor, list[list[tuple[Tensor, Tensor]]], tuple[Tensor, ...]]:
-    """A whole decode step: x (rows, hidden) embedded tokens -> (x after the last layer, each segment's new
-    Mamba states, (normed final hidden (rows, hidden), logits (rows, vocab))).
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """A whole decode step: x (rows, hidden) embedded tokens -> (x after the last layer, (normed final hidden
+    (rows, hidden), logits (rows, vocab))); the Mamba states and KV buffers are written in place.
 
     ``segments``: per run of layers between attention layers, (its layers, its tail) as :func:`segment` takes
     them; ``attentions``: per attention layer ending a segment, (k_cache, v_cache, pos, pad, geometry, o_proj)
     for :func:`attend` and the output projection the next segment applies first."""
     attention: tuple[Tensor, Projection] | None = None
-    states: list[list[tuple[Tensor, Tensor]]] = []
     for i, (layers, tail) in enumerate(segments):
-        x, new, outs = segment(x, attention, layers, tail)
-        states.append(new)
+        x, outs = segment(x, attention, layers, tail)
         if i == len(attentions):
-            return x, states, outs
+            return x, outs
         k_cache, v_cache, pos, pad, geometry, o_proj = attentions[i]
         attention = (attend(*outs, k_cache, v_cache, pos, pad, geometry), o_proj)
     raise ValueError("step: the last segment must end in the head")

@@ -223,19 +223,21 @@ def test_several_rows_of_any_count_and_padding_run_one_graph_and_equal_each_row_
     compiled call per step: every row's logits equal that row decoded alone by the eager steps, and a batch of
     another row count, padded or not, runs the same graph (the row count is dynamic in it), through a KV
     buffer's growth and rows leaving (the rest's shared padding trimmed: a view of the wider buffer). Two
-    attention layers: each has its own padding tensor, in the warm-up's unpadded batch as in a padded one."""
+    attention layers: each has its own padding tensor, in the warm-up's unpadded batch as in a padded one.
+    A batch in buffers with free rows runs the same graph, writes its Mamba states in place, and a row joins
+    it by slot (written into a free row: the other rows stay where they are)."""
     m = _model({"pattern": "M*E-*E"})
     plan = DecodePlan(m, compiled=True)
     plan.warm(rounds=1, calls=1, rows=2)
     plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head)
     plan.compiled.one_row = plan.compiled.several_rows = True
     eager = DecodePlan(m)
-    for rows, padded in ((3, True), (5, False), (4, True)):
-        ids = _ids(30, seed=rows, rows=rows)
+    for rows, padded, spare in ((3, True, 0), (5, False, 2), (4, True, 0)):
+        ids = _ids(30, seed=rows, rows=rows + spare)
         lengths = [6 + 3 * i if padded else 8 for i in range(rows)]
         alone = [m(ids[i : i + 1, :n], use_cache=True).cache for i, n in enumerate(lengths)]
-        batch = concat_caches([clone_cache(c) for c in alone])
-        assert (batch.layers[1].pad is not None) == padded
+        batch = concat_caches([clone_cache(c) for c in alone], rows=rows + spare)
+        assert (batch.layers[1].pad is not None) == padded and batch.spare_rows() == spare
         kept = list(range(rows))
         with torch.compiler.set_stance("fail_on_recompile"):
             for t in range(20, 26):
@@ -244,8 +246,18 @@ def test_several_rows_of_any_count_and_padding_run_one_graph_and_equal_each_row_
                     trim = int(batch.layers[1].pad[kept].min())
                     assert trim > 0
                     batch = batch.select(torch.tensor(kept), trim)
+                if t == 22 and spare:  # a row of a shorter history joins by slot
+                    alone.append(m(ids[rows : rows + 1, :5], use_cache=True).cache)
+                    where = [batch.layers[0].ssm.data_ptr(), batch.layers[1].k.data_ptr()]
+                    assert batch.join(clone_cache(alone[-1])) and batch.spare_rows() == spare - 1
+                    assert [batch.layers[0].ssm.data_ptr(), batch.layers[1].k.data_ptr()] == where
+                    assert batch.layers[1].pad.tolist() == [0] * rows + [batch.layers[1].length - 5]
+                    kept.append(rows)
+                states = batch.layers[0].ssm
                 tok = ids[kept, t : t + 1]
                 fast = plan(tok, batch).logits
+                if spare:  # written in place: the buffers' free rows stay the batch's
+                    assert batch.layers[0].ssm is states and batch.spare_rows() > 0
                 for j, i in enumerate(kept):
                     ref = eager(tok[j : j + 1], alone[i]).logits
                     assert (fast[j : j + 1] - ref).abs().max().item() <= ATOL

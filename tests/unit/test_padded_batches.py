@@ -110,6 +110,29 @@ def test_concat_marks_padding_and_keeps_the_inputs():
 
 
 @torch.no_grad()
+def test_free_rows_of_concatenated_buffers_survive_a_kv_growth_and_refuse_longer_histories():
+    """``concat_caches(rows=)``: every layer's tensors are the first rows of buffers of ``rows`` rows (free rows
+    zeroed); a KV buffer that grows keeps its free rows; ``join`` refuses, changing nothing, a cache with a
+    longer history or more rows than there are free, and writes a fitting one right-aligned with its padding."""
+    m = _model()
+    (a, _), (b, _), (long, _) = _prefill(m, [1, 2, 3, 4]), _prefill(m, [5, 6]), _prefill(m, list(range(9)))
+    batch = concat_caches([clone_cache(a), clone_cache(a)], rows=3)
+    assert batch.spare_rows() == 1
+    kv = next(c for c in batch.layers if isinstance(c, KVCache))
+    assert kv.base[0].shape[0] == 3 and not kv.base[0][2].any()
+    kv.reserve(kv.k.shape[2] + 1)  # the buffer doubles: the free row stays
+    assert kv.spare_rows() == 1 and kv.k.shape[2] == kv.base[0].shape[2]
+    layers = list(batch.layers)
+    assert not batch.join(clone_cache(long)) and batch.layers == layers  # a longer history
+    assert not batch.join(concat_caches([clone_cache(b), clone_cache(b)]))  # two rows, one free
+    assert batch.join(clone_cache(b)) and batch.spare_rows() == 0
+    kv = next(c for c in batch.layers if isinstance(c, KVCache))
+    assert kv.pad.tolist() == [0, 0, 2] and kv.row_lengths() == [4, 4, 2]
+    mine = next(c for c in b.layers if isinstance(c, KVCache))
+    assert torch.equal(kv.k[2, :, 2:4], mine.k[0, :, :2]) and not kv.k[2, :, :2].any()
+
+
+@torch.no_grad()
 def test_merging_a_padded_batch_again_and_outgrowing_the_kv_buffer():
     """Three rows merged in two rounds (the second merge pads an already padded batch), then enough steps
     to grow the preallocated KV buffer."""
@@ -269,3 +292,52 @@ def test_rows_leave_by_slot_and_every_row_decodes_as_alone(fast):
     for r in alive:
         want = _alone(m, prompts[r], feeds[r], fast)
         assert (torch.stack(got[r]) - want).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@torch.no_grad()
+def test_rows_join_by_slot_and_every_row_decodes_as_alone(fast):
+    """``RowGroup.absorb`` into a batch whose buffers have free rows (made with ``rows``, or freed by a row that
+    left): the joining row is written into a free row of the same buffers, the rows already there stay where
+    they are, and every row's logits stay those of the row decoded alone. A joining row with a longer history
+    than the batch's, or a batch without free rows, is copied with the batch into new buffers instead. The
+    model's own forward (not ``fast``) returns new Mamba states, so its batches keep no free rows: every join
+    copies."""
+    from model.generate import RowGroup
+
+    m = _model()
+    prompts, feeds = _prompts(10, [5, 3, 4, 2, 3, 20])
+    join_at = {1: 0, 2: 2, 3: 2, 4: 4, 5: 5}  # row -> step it joins at; row 5's history is the longest
+    group = RowGroup(m, [RowStart(prompts[0])])
+    if not fast:
+        group.plan = None
+    alive, fed = [0], {r: [] for r in range(len(prompts))}
+    got: dict[int, list[torch.Tensor]] = {0: [group.logits[0]]}
+
+    def where() -> list[int]:
+        return [c.k.data_ptr() if isinstance(c, KVCache) else c.ssm.data_ptr() for c in group.cache.layers if c]
+
+    for t in range(8):
+        if t == 3:  # row 1 leaves by slot: its row is free again
+            order = group.keep_rows([j for j, r in enumerate(alive) if r != 1])
+            alive = [alive[j] for j in order]
+        for r in [r for r, at in join_at.items() if at == t]:
+            before = where()
+            group.absorb(RowGroup(m, [RowStart(prompts[r])]), rows=4)
+            # not fast: the free rows of new buffers last until the next step (row 3 joins right after row 2)
+            if r in ((2, 3, 4) if fast else (3,)):
+                assert where() == before, f"row {r} did not join in place"
+                assert group.capacity() == 4
+            else:
+                assert where() != before and group.capacity() >= max(len(alive) + 1, 4), f"row {r} joined in place"
+            alive.append(r)
+            got[r] = [group.logits[-1]]
+        tokens = [feeds[r][len(fed[r])] for r in alive]
+        for r, tok in zip(alive, tokens, strict=True):
+            fed[r].append(tok)
+        group.feed(tokens)
+        for j, r in enumerate(alive):
+            got[r].append(group.logits[j])
+    for r, rows in got.items():
+        want = _alone(m, prompts[r], fed[r], fast)
+        assert (torch.stack(rows) - want).abs().max().item() <= ATOL, r
