@@ -47,19 +47,20 @@ def prefix_of(t: Tensor, base: Tensor | None) -> bool:
     )
 
 
+def in_buffers(tensors: tuple[Tensor, Tensor], base: tuple[Tensor, Tensor] | None) -> bool:
+    """Whether a layer's two tensors are the first rows of its buffers ``base`` (both of them)."""
+    return base is not None and prefix_of(tensors[0], base[0]) and prefix_of(tensors[1], base[1])
+
+
 def spare_rows(tensors: tuple[Tensor, Tensor], base: tuple[Tensor, Tensor] | None) -> int:
     """Free rows after a layer's two tensors in their buffers ``base``: 0 unless both are prefixes of them."""
-    if base is None or not (prefix_of(tensors[0], base[0]) and prefix_of(tensors[1], base[1])):
-        return 0
-    return base[0].shape[0] - tensors[0].shape[0]
+    return base[0].shape[0] - tensors[0].shape[0] if in_buffers(tensors, base) else 0
 
 
 def buffers(tensors: tuple[Tensor, Tensor], base: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
     """The whole buffers a layer's two tensors are the first rows of: ``base`` when they are its prefixes,
     else the tensors themselves."""
-    if base is not None and prefix_of(tensors[0], base[0]) and prefix_of(tensors[1], base[1]):
-        return base
-    return tensors
+    return base if in_buffers(tensors, base) else tensors
 
 
 def kv_rows(t: Tensor, rows: Tensor, trim: int = 0) -> Tensor:
@@ -157,7 +158,7 @@ class MambaCache:
     def owned(self) -> bool:
         """Whether conv and ssm are the first rows of :attr:`base` (a step that writes them in place keeps the
         free slots)."""
-        return self.base is not None and prefix_of(self.conv, self.base[0]) and prefix_of(self.ssm, self.base[1])
+        return in_buffers((self.conv, self.ssm), self.base)
 
 
 class HybridCache:
@@ -389,6 +390,7 @@ __all__ = [
     "concat_caches",
     "empty_cache",
     "clone_cache",
+    "in_buffers",
     "kv_rows",
     "prefix_of",
     "spare_rows",

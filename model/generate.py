@@ -318,7 +318,7 @@ class RowGroup:
         are copied into new buffers (:func:`~model.cache.concat_caches`) of at least ``rows`` rows (the batch's
         most), so that later rows join in place."""
         length = max(self.length, other.length)
-        if other.length > self.length or not self.cache.join(other.cache):
+        if not self.cache.join(other.cache):
             self.cache = concat_caches([self.cache, other.cache], rows=rows)
         self.pads = [p + length - self.length for p in self.pads] + [p + length - other.length for p in other.pads]
         self.logits = torch.cat([self.logits, other.logits])
