@@ -3,7 +3,7 @@ it tolerates before its weights stop coming from the cache; llama.cpp's token be
 
 For each standalone budget checkpoint (the folders ``bench_peers.py --work`` writes: ``checkpoints/<budget>-<fmt>``)
 this builds our decode plan with its compiled one-row step (as ``bench_peers.py``'s engine does), then times, in
-rounds that alternate every part:
+rounds that alternate every part (``common.time_interleaved``, one untimed round first):
 
 * ``step``: the whole one-row step (per-step median of ``--steps`` greedy steps after a prefill);
 * ``head cut``: the same step with the LM head cut to its first ``--cut-rows`` rows (a second graph): what the
@@ -38,11 +38,25 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_peers import OurEngine, load_ours  # noqa: E402
-from benchmarks.common import format_table, load_average, machine_info, save_json, set_threads  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Case,
+    format_table,
+    load_average,
+    machine_info,
+    save_json,
+    set_threads,
+    time_interleaved,
+)
 from model.decode import compiled as compiled_module  # noqa: E402
 from model.decode.step_functions import gemv  # noqa: E402
 
 PROMPT = list(range(10, 42))
+WARMUP_ROUNDS = 1
+
+
+def compiled_gemv() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The step's one-row GEMV (:func:`~model.decode.step_functions.gemv`) compiled alone, with the step's options."""
+    return torch.compile(gemv, fullgraph=True, dynamic=False, options=dict(compiled_module.INDUCTOR_OPTIONS))
 
 
 def per_step_ms(step: Callable[[], Any], after: Callable[[], Any] | None, steps: int) -> tuple[float, float]:
@@ -71,10 +85,10 @@ class Ours:
         self.own_projection = self.compiled.projection
         self.cut_weight = self.head.weight.detach()[:cut_rows]
         self.token = self.engine.prefill(PROMPT)
+        self.gemv = compiled_gemv()
         head = self.head.weight.detach()
-        fn = torch.compile(gemv, fullgraph=True, dynamic=False, options=dict(compiled_module.INDUCTOR_OPTIONS))
         x = torch.randn(head.shape[1])
-        self.head_alone = lambda: fn(x, head)
+        self.head_alone = lambda: self.gemv(x, head)
 
     def cut(self, on: bool) -> None:
         """Step with the head cut to its first rows (a graph of its own) or whole."""
@@ -124,39 +138,47 @@ def run_budget(name: str, folder: Path, gguf: Path | None, args: argparse.Namesp
             print(f"  llama.cpp skipped: {e}", flush=True)
     hidden = ours.head.weight.shape[1]
     extra = {mb: torch.randn(max(1, int(mb * 1e6 / (2 * hidden))), hidden).to(torch.bfloat16) for mb in args.extra_mb}
-    gemv_fn = torch.compile(gemv, fullgraph=True, dynamic=False, options=dict(compiled_module.INDUCTOR_OPTIONS))
+    gemv_fn = ours.gemv
     xs = torch.randn(hidden)
     for w in extra.values():
         gemv_fn(xs, w)
 
-    parts: dict[str, Callable[[], tuple[float, float]]] = {}
+    # Each part runs ``args.steps`` steps per round and records its per-step medians (the step's, and the extra
+    # GEMV's after it); time_interleaved alternates the parts round by round.
+    times: dict[str, list[tuple[float, float]]] = {}
 
-    def ours_part(cut: bool, after: Callable[[], Any] | None) -> Callable[[], tuple[float, float]]:
-        def run() -> tuple[float, float]:
+    def part(label: str, step: Callable[[], Any], after: Callable[[], Any] | None, restart: Callable[[], Any]) -> Case:
+        times[label] = []
+        return Case(fn=lambda _: times[label].append(per_step_ms(step, after, args.steps)), setup=restart)
+
+    def ours_restart(cut: bool) -> Callable[[], bool]:
+        def restart() -> bool:
             ours.cut(cut)
             ours.restart()
-            return per_step_ms(ours.step, after, args.steps)
+            return True  # a value, so that time_interleaved passes it on (and keeps the restart untimed)
 
-        return run
+        return restart
 
-    parts["step"] = ours_part(False, None)
-    parts["head cut"] = ours_part(True, None)
-    parts["head alone"] = lambda: per_step_ms(ours.head_alone, None, args.steps)
+    cases = {
+        "step": part("step", ours.step, None, ours_restart(False)),
+        "head cut": part("head cut", ours.step, None, ours_restart(True)),
+        "head alone": part("head alone", ours.head_alone, None, lambda: True),
+    }
     for mb, w in extra.items():
-        parts[f"head cut +{mb:g} MB"] = ours_part(True, lambda w=w: gemv_fn(xs, w))
+        label = f"head cut +{mb:g} MB"
+        cases[label] = part(label, ours.step, lambda w=w: gemv_fn(xs, w), ours_restart(True))
     if peer is not None:
+
+        def peer_restart() -> bool:
+            peer.restart()
+            return True
+
         for mb in [0.0, *extra]:
+            label = "llama.cpp" if mb == 0 else f"llama.cpp +{mb:g} MB"
             after = None if mb == 0 else (lambda w=extra[mb]: gemv_fn(xs, w))
-
-            def peer_part(after: Callable[[], Any] | None = after) -> tuple[float, float]:
-                peer.restart()
-                return per_step_ms(peer.step, after, args.steps)
-
-            parts["llama.cpp" if mb == 0 else f"llama.cpp +{mb:g} MB"] = peer_part
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in parts}
-    for r in range(args.rounds):
-        for k in list(parts) if r % 2 == 0 else list(parts)[::-1]:
-            times[k].append(parts[k]())
+            cases[label] = part(label, peer.step, after, peer_restart)
+    time_interleaved(cases, warmup=WARMUP_ROUNDS, repeats=args.rounds)
+    times = {k: v[WARMUP_ROUNDS:] for k, v in times.items()}
     rows = []
     for k, v in times.items():
         ms = statistics.median(t[0] for t in v)
