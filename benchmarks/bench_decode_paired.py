@@ -133,6 +133,10 @@ def _patch(name: str) -> None:
         from model.decode import compiled
 
         compiled.INDUCTOR_OPTIONS = {**compiled.INDUCTOR_OPTIONS, "cpp_wrapper": False}
+    elif name == "no_dot_bf16":  # with 'compiled': one-row bfloat16 projections through the generated loop
+        from model.decode import dot_bf16
+
+        os.environ[dot_bf16.SWITCH_ENV] = "0"
     elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
         from model import generate
 
@@ -159,6 +163,8 @@ VARIANTS = {
     "decode_compile does (compiled and measured at the plan's first step, kept where faster)",
     "one_row_compiled": "with 'compiled': only one-row steps compiled; several rows take the eager steps",
     "python_wrapper": "with 'compiled': the graphs' kernels called from inductor's Python wrapper, not its C++ one",
+    "no_dot_bf16": "with 'compiled': one-row bfloat16 projections through inductor's generated loop, not the "
+    "bfloat16 dot-product operators (model/decode/dot_bf16.py)",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from model.cache import HybridCache, MambaCache, canonical_strides
 from model.cache_folder import cache_folder
+from model.decode import dot_bf16, step_functions
 from model.decode.kernels import PREPARED, Prepared, joined_weight, source_key, source_weight
 from model.decode.layers import AttentionStep, MambaStep, MLPStep, MoEStep, ReferenceStep
 from model.decode.ops import hooked
@@ -89,6 +90,7 @@ def compiled_step() -> Callable[..., Any]:
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
+        step_functions.DOT_BF16 = dot_bf16.available()
         _COMPILED = torch.compile(step_function, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
     return _COMPILED
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.cache import HybridCache
+from model.decode import dot_bf16, step_functions
 from model.decode.compiled import CompiledStep
 from model.decode.kernels import default_copy_bytes, prepare_decode_linears
 from model.decode.layers import STEPS, ReferenceStep
@@ -147,7 +148,14 @@ class DecodePlan:
             + ("kept" if on else "slower, eager kept")
             for name, ms, on in parts
         )
-        return f"{verdicts} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies)"
+        dot = getattr(getattr(self.lm_head, "weight", None), "dtype", None) == torch.bfloat16
+        gemv = (
+            ""
+            if not dot
+            else ", bfloat16 dot-product GEMV "
+            + ("on" if step_functions.DOT_BF16 else f"off: {dot_bf16.unavailable_reason() or 'not built'}")
+        )
+        return f"{verdicts} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies{gemv})"
 
     def stale(self) -> bool:
         """Whether a weight changed in place since the plan was built, so that tensors it derived from the

@@ -23,11 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from model.decode import dot_bf16
 from model.mamba import conv_step
 from model.moe import dense_experts, route, router_scores
 from model.ssd import ssd_step
 
 F32 = torch.float32
+
+DOT_BF16 = False
+"""Whether one-row bfloat16 projections take the bfloat16 dot-product operators (:mod:`model.decode.dot_bf16`);
+set by :func:`model.decode.compiled.compiled_step` before a graph is traced (a traced step reads it as a
+constant, and the graph is guarded on it)."""
 
 Projection = tuple[str, list[Tensor], list[Tensor | None]]
 """What a compiled step multiplies by for one projection: ``("one", [weight], [bias])``; ``("rows", runs,
@@ -36,12 +42,23 @@ its column runs (the input split to the runs, outputs summed). Weights (out, in)
 
 
 # ---------------------------------------------------------------------- the arithmetic (traced, then compiled)
-def gemv(x: Tensor, w: Tensor) -> Tensor:
-    """One row times a weight: x (in,) float32, w (out, in) -> (out,) float32.
+def dot_bf16_weight(w: Tensor) -> bool:
+    """Whether a one-row projection by ``w`` takes the bfloat16 dot-product operators (:data:`DOT_BF16`, a
+    bfloat16 CPU weight with a contiguous last dimension)."""
+    return DOT_BF16 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1
 
-    Written as a product and a sum over the weight's contiguous dimension, which inductor generates as a
-    vectorised loop that streams the weight once: each output's dot product along a row of an outputs-major
-    weight, or, for an inputs-major one, a running sum over its rows."""
+
+def gemv(x: Tensor, w: Tensor) -> Tensor:
+    """One row times a weight: x (in,) float32 holding values of w's dtype (callers round to it, as the eager
+    GEMM's input is), w (out, in) -> (out,) float32.
+
+    A bfloat16 weight with a contiguous last dimension takes the dot-product operator
+    (:func:`model.decode.dot_bf16.gemv`, when :data:`DOT_BF16`). Otherwise written as a product and a sum over
+    the weight's contiguous dimension, which inductor generates as a vectorised loop that streams the weight
+    once: each output's dot product along a row of an outputs-major weight, or, for an inputs-major one, a
+    running sum over its rows."""
+    if dot_bf16_weight(w):
+        return dot_bf16.gemv(x, w)
     if w.stride(-1) == 1:
         return (x * w.to(F32)).sum(-1)
     return (x[:, None] * w.t().to(F32)).sum(0)
@@ -179,9 +196,14 @@ def moe_step(
         return moe_rows(h, base, gate, score_bias, up, down, routing)
     scores = torch.sigmoid(gemv(h.view(-1).to(F32), gate))  # (E,): the router's scores as one GEMV
     idx, w = route(scores, score_bias, top_k, renormalise, scaling, in_order=False)  # (k,), (k,)
-    hq = h.view(-1).to(dtype).to(F32)
-    act = torch.relu((hq * up[idx].to(F32)).sum(-1).to(dtype)).square()  # (k, F)
-    y = (act.to(F32)[:, None, :] * down[idx].to(F32)).sum(-1).to(dtype)  # (k, H)
+    if dot_bf16_weight(up) and dot_bf16_weight(down):
+        hk = h.view(1, -1).to(dtype).expand(top_k, -1)  # one row for every selected expert (row stride 0)
+        act = torch.relu(dot_bf16.gemv_gather(hk, up, idx).to(dtype)).square()  # (k, F)
+        y = dot_bf16.gemv_gather(act, down, idx).to(dtype)  # (k, H)
+    else:
+        hq = h.view(-1).to(dtype).to(F32)
+        act = torch.relu((hq * up[idx].to(F32)).sum(-1).to(dtype)).square()  # (k, F)
+        y = (act.to(F32)[:, None, :] * down[idx].to(F32)).sum(-1).to(dtype)  # (k, H)
     routed = (w[:, None] * y.to(F32)).sum(0, keepdim=True)
     return (base.to(F32) + routed).to(base.dtype)
 

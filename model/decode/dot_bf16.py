@@ -1,0 +1,119 @@
+"""One-row bfloat16 projections on the CPU's bfloat16 dot-product instruction, for the compiled decode step.
+
+Inductor generates a one-row projection (:func:`~model.decode.step_functions.gemv`) as a loop that widens
+every bfloat16 weight to float32 and multiplies and adds it; on a CPU with AVX512_BF16 one ``vdpbf16ps``
+does the widening, the two products and the sum for 32 weights at once. Measured on a 2-core Xeon (AMX /
+avx512_bf16), one 49,152 x 512 GEMV: the generated loop ~22-28 GB/s whatever the weights' size (its
+arithmetic is the bound), the dot-product loop ~70 GB/s from the L2 cache, ~35-44 from L3, ~21 from memory
+(``benchmarks/RESULTS.md``). So the one-row step's bfloat16 projections call it (:func:`gemv`), while float32
+weights, weights without a contiguous last dimension and CPUs without the instruction keep the generated loop.
+
+The kernels (``dot_bf16.cpp``, beside this file) are operators of the ``star_elastic`` library, built with
+the C++ compiler inductor already needs (``torch.utils.cpp_extension``, into ``$STAR_ELASTIC_CACHE/ext``, so
+a later process loads the built library) and called from the compiled step's C++ wrapper through the
+dispatcher. :func:`available` builds and loads them once per process and says whether they run here; a
+failed build or a CPU without the instruction leaves the generated loop, with the reason in
+:func:`unavailable_reason`. ``STAR_ELASTIC_DOT_BF16=0`` switches them off (the reference: the generated loop).
+
+Reference and test: ``tests/unit/test_dot_bf16.py`` compares both operators with float64 dot products of the
+same bfloat16 values, and a compiled step with them against one without.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model.cache_folder import cache_folder
+
+log = logging.getLogger(__name__)
+
+SWITCH_ENV = "STAR_ELASTIC_DOT_BF16"
+SOURCE = Path(__file__).with_name("dot_bf16.cpp")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_folder() -> Path:
+    """Where the operators' library is built: ``$STAR_ELASTIC_CACHE/ext/dot_bf16-<torch version>`` (a library
+    is built for one torch)."""
+    version = torch.__version__.replace("+", "_")
+    return cache_folder() / "ext" / f"dot_bf16-{version}"
+
+
+def _load() -> str | None:
+    """Build (or load the built) library and register its fake kernels; the reason it cannot run, or None."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        return f"switched off ({SWITCH_ENV}=0)"
+    if not hasattr(torch.ops.star_elastic, "gemv_bf16"):
+        from torch.utils import cpp_extension
+
+        folder = build_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(
+                name="star_elastic_dot_bf16",
+                sources=[str(SOURCE)],
+                build_directory=str(folder),
+                # at::parallel_for is OpenMP pragmas in torch's headers: without -fopenmp it runs one thread
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no headers, ...: the generated loop stays
+            return f"build failed: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        _register_fakes()
+    if not torch.ops.star_elastic.dot_bf16_supported():
+        return "this CPU has no bfloat16 dot-product instruction (AVX512_BF16)"
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes for tracing (``torch.compile`` runs the graph on fake tensors first)."""
+
+    @torch.library.register_fake("star_elastic::gemv_bf16")
+    def _(x: Tensor, w: Tensor) -> Tensor:
+        return w.new_empty((w.shape[0],), dtype=torch.float32)
+
+    @torch.library.register_fake("star_elastic::gemv_bf16_gather")
+    def _(x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+        return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
+
+
+def available() -> bool:
+    """Whether the bfloat16 dot-product operators run in this process (built and loaded on the first call)."""
+    with _lock:
+        if "reason" not in _state:
+            _state["reason"] = _load()
+            if _state["reason"] is not None:
+                log.info("bfloat16 dot-product GEMV not used: %s", _state["reason"])
+        return _state["reason"] is None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is False (None when it is True or was not asked yet)."""
+    reason = _state.get("reason")
+    return reason if isinstance(reason, str) else None
+
+
+def usable(w: Tensor) -> bool:
+    """Whether a one-row projection by ``w`` (out, in) or a stack (E, out, in) takes the operators: bfloat16 on
+    the CPU with a contiguous last dimension, and the operators available."""
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and available()
+
+
+def gemv(x: Tensor, w: Tensor) -> Tensor:
+    """x (in,) bfloat16 values (any float dtype holding them), w (out, in) bfloat16 -> (out,) float32."""
+    return torch.ops.star_elastic.gemv_bf16(x.to(torch.bfloat16), w)
+
+
+def gemv_gather(x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
+    """Row j of x (k, in) by expert ``idx[j]`` of w (E, out, in) bfloat16 -> (k, out) float32."""
+    return torch.ops.star_elastic.gemv_bf16_gather(x.to(torch.bfloat16), w, idx)

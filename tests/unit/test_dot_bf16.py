@@ -1,0 +1,119 @@
+"""The bfloat16 dot-product operators (:mod:`model.decode.dot_bf16`) against float64 dot products of the same
+bfloat16 values, and the compiled one-row step that calls them against the eager step and against the
+generated loop it replaces."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.cache import clone_cache
+from model.decode import DecodePlan, dot_bf16, step_functions
+from model.decode.budget_view import budget_model
+from model.decode.compiled import CompiledStep
+from model.elastic import Architecture
+from tests.unit.test_decode_compiled import _ids
+from tests.unit.test_decode_fast_path import _model
+
+pytestmark = pytest.mark.skipif(
+    not dot_bf16.available(), reason=f"bfloat16 dot-product operators unavailable: {dot_bf16.unavailable_reason()}"
+)
+# A float32 sum of n products of values ~N(0, 1) differs from float64's by a few float32 ulps of sqrt(n).
+RTOL = 2e-5
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("...oi,...i->...o", w.double(), x.double())
+
+
+@pytest.mark.parametrize("rows, inputs", [(4096, 512), (7, 100), (33, 768), (1, 31), (5, 64)])
+def test_gemv_equals_float64_dot_products_of_its_bfloat16_values(rows, inputs):
+    """Row counts that do and do not fill the four-row tasks, input sizes with and without a 32-value tail."""
+    g = torch.Generator().manual_seed(rows + inputs)
+    w = torch.randn(rows, inputs, generator=g).to(torch.bfloat16)
+    x = torch.randn(inputs, generator=g).to(torch.bfloat16)
+    out = dot_bf16.gemv(x, w)
+    assert out.dtype == torch.float32 and out.shape == (rows,)
+    ref = _reference(x, w)
+    assert torch.allclose(out.double(), ref, rtol=0, atol=RTOL * inputs**0.5 * ref.abs().max().item() + 1e-6)
+
+
+def test_gemv_reads_a_row_block_of_a_wider_matrix_through_its_row_stride():
+    """A budget's run of a parent's rows and columns: a view whose rows are further apart than its width."""
+    parent = torch.randn(96, 200).to(torch.bfloat16)
+    w = parent[10:50, 8:136]
+    x = torch.randn(128).to(torch.bfloat16)
+    assert w.stride() == (200, 1)
+    ref = _reference(x, w)
+    assert torch.allclose(dot_bf16.gemv(x, w).double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+def test_gemv_gather_takes_each_rows_expert_and_broadcasts_one_row():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 96, 200, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([5, 0, 7])
+    x = torch.randn(3, 200, generator=g).to(torch.bfloat16)
+    for rows in (x, x[:1].expand(3, -1)):  # three rows, and one row for every expert (row stride 0)
+        out = dot_bf16.gemv_gather(rows, w, idx)
+        ref = _reference(rows, w[idx])
+        assert out.shape == (3, 96)
+        assert torch.allclose(out.double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+def test_bad_operands_get_errors_that_name_the_problem():
+    w = torch.randn(8, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        torch.ops.star_elastic.gemv_bf16(torch.randn(64), w)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        dot_bf16.gemv(torch.randn(64), w.t().contiguous().t())
+    with pytest.raises(RuntimeError, match="has 32 inputs"):
+        dot_bf16.gemv(torch.randn(32), w)
+    with pytest.raises(RuntimeError, match="out of range"):
+        dot_bf16.gemv_gather(torch.randn(2, 64), torch.randn(3, 8, 64).to(torch.bfloat16), torch.tensor([0, 3]))
+
+
+def test_the_switch_leaves_the_generated_loop_and_says_why(monkeypatch):
+    monkeypatch.setenv(dot_bf16.SWITCH_ENV, "0")
+    monkeypatch.setattr(dot_bf16, "_state", {})
+    assert not dot_bf16.available()
+    assert dot_bf16.unavailable_reason() == f"switched off ({dot_bf16.SWITCH_ENV}=0)"
+
+
+def _called_operators(plan: DecodePlan, tok: torch.Tensor, cache) -> set[str]:
+    """Names of the star_elastic operators one step of ``plan`` called."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        plan(tok, cache)
+    return {e.key for e in prof.key_averages() if e.key.startswith("star_elastic::")}
+
+
+@pytest.mark.parametrize("view", [False, True])
+@torch.no_grad()
+def test_a_compiled_bfloat16_step_calls_the_operators_and_holds_to_the_eager_steps_rounding(view, monkeypatch):
+    """The whole model (every projection contiguous: all take the operators, the experts through the gather) and
+    a budget view (contiguous copies of its split / prefix projections take them); each step's
+    logits against the eager step's from the same state, and against the same compiled step with the operators
+    switched off (the generated loop: the reference the operators replace)."""
+    model = _model({}).to(torch.bfloat16)
+    if view:
+        model = budget_model(model, Architecture(hidden=24, mamba_heads=2, moe_ffn=8, experts=3))
+    plan = DecodePlan(model, compiled=True)
+    plan.warm(rows=0)
+    plan.compiled = plan.compiled or CompiledStep(plan.steps, plan.norm_f, plan.lm_head, 1 << 30)  # even if slower
+    assert step_functions.DOT_BF16
+    eager = DecodePlan(model)
+    ids = _ids(12, seed=5)
+    out = model(ids[:, :8], use_cache=True)
+    for t in range(8, 12):  # each step from the same state: rounding differences do not accumulate
+        tok = ids[:, t : t + 1]
+        called = _called_operators(plan, tok, clone_cache(out.cache))
+        assert "star_elastic::gemv_bf16" in called
+        assert view or "star_elastic::gemv_bf16_gather" in called  # the whole model's experts are contiguous
+        fast = plan(tok, clone_cache(out.cache)).logits.float()
+        monkeypatch.setattr(step_functions, "DOT_BF16", False)
+        assert not _called_operators(plan, tok, clone_cache(out.cache))
+        loop = plan(tok, clone_cache(out.cache)).logits.float()
+        monkeypatch.setattr(step_functions, "DOT_BF16", True)
+        ref = eager(tok, clone_cache(out.cache)).logits.float()
+        assert (fast - ref).abs().max().item() <= 2e-2
+        assert (fast - loop).abs().max().item() <= 2e-2
+        out = model(tok, cache=out.cache)
