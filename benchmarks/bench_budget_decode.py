@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--family-formats",
         default="f32,fp8,nvfp4",
-        help="with --family: comma-separated formats (f32, fp8, nvfp4; fp8-cached / nvfp4-cached with "
-        "cache_dequantized, f32-compiled with decode_compile)",
+        help="with --family: comma-separated formats (f32, bf16, fp8, nvfp4; fp8-cached / nvfp4-cached with "
+        "cache_dequantized, f32-compiled / bf16-compiled with decode_compile)",
     )
     p.add_argument("--batches", default="1,16", help="with --family: comma-separated batch sizes")
     args = p.parse_args(argv)

@@ -137,6 +137,11 @@ def _patch(name: str) -> None:
         from model.decode import dot_bf16
 
         os.environ[dot_bf16.SWITCH_ENV] = "0"
+    elif name == "no_dot_prefetch":  # with 'compiled': the dot-product operators without their prefetch
+        from model.decode import dot_bf16
+
+        if dot_bf16.available():
+            dot_bf16.set_prefetch(False)
     elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
         from model import generate
 
@@ -165,6 +170,7 @@ VARIANTS = {
     "python_wrapper": "with 'compiled': the graphs' kernels called from inductor's Python wrapper, not its C++ one",
     "no_dot_bf16": "with 'compiled': one-row bfloat16 projections through inductor's generated loop, not the "
     "bfloat16 dot-product operators (model/decode/dot_bf16.py)",
+    "no_dot_prefetch": "with 'compiled': the bfloat16 dot-product operators without the prefetch of the rows ahead",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 

@@ -7,8 +7,8 @@ it (:meth:`BudgetRegistry.from_checkpoint <model.decode.budget_view.BudgetRegist
 budgets are views of one parent copy, quantized ones their own slice of the quantized tensors, dequantized
 per step as serving's default ``cache_dequantized: false`` does; ``fp8-cached`` / ``nvfp4-cached``: the same
 checkpoint with ``cache_dequantized: true``, each budget keeping dense copies of the weights it has used;
-``f32-compiled``: with serving's ``decode_compile``, one-row steps through compiled steps where they measure
-faster).
+``f32-compiled`` / ``bf16-compiled``: with serving's ``decode_compile``, one-row steps through compiled steps
+where they measure faster; ``bf16``: the same parent cast to bfloat16 and written as its own nested checkpoint).
 
 Per format and batch size, every budget's cached decode step after a ``--prompt``-token prefill of every row:
 the budgets alternate in ``--rounds`` rounds (order reversed every other round, a fresh prefill each time,
@@ -35,6 +35,9 @@ from model.elastic.export import export_nested
 from model.hybrid import HybridLM
 
 FORMATS = ("f32", "fp8", "nvfp4")
+DENSE = {"f32": torch.float32, "bf16": torch.bfloat16}
+"""Unquantized formats: the nested checkpoint written in that dtype (``bf16``: the float32 parent cast, as a
+published checkpoint is)."""
 CACHED = "-cached"
 """Suffix of a quantized format served with ``cache_dequantized`` on (``fp8-cached``)."""
 COMPILED = "-compiled"
@@ -48,7 +51,7 @@ def base_format(fmt: str) -> str:
 
 
 def build_family(work: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Path]:
-    """``{format: nested checkpoint}``: the float32 family and its FP8 / NVFP4 quantizations."""
+    """``{format: nested checkpoint}``: the float32 family, its bfloat16 cast and its FP8 / NVFP4 quantizations."""
     from model.quant import quantize_checkpoint
 
     config = HybridConfig(**PARENT)
@@ -58,9 +61,12 @@ def build_family(work: Path, formats: tuple[str, ...] = FORMATS) -> dict[str, Pa
     fractions = BudgetSet.of({n: count_params(config, a).active / full for n, a in archs.items()})
     out = {"f32": export_nested(model, archs, fractions, elastic_space(config, archs), work / "nested",
                                 allow_off_target=True)}  # fmt: skip
+    if "bf16" in formats:
+        out["bf16"] = export_nested(model.to(torch.bfloat16), archs, fractions, elastic_space(config, archs),
+                                    work / "nested-bf16", allow_off_target=True)  # fmt: skip
     calib = [torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     for fmt in formats:
-        if fmt != "f32":
+        if fmt not in DENSE:
             start = time.perf_counter()
             out[fmt] = quantize_checkpoint(out["f32"], work / fmt, fmt, "default", calib)
             print(f"  quantized to {fmt} ({time.perf_counter() - start:.0f}s)", flush=True)

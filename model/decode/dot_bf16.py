@@ -109,6 +109,12 @@ def usable(w: Tensor) -> bool:
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and available()
 
 
+def set_prefetch(on: bool) -> bool:
+    """Whether each task of the operators prefetches the rows two tasks ahead (on by default: weights that come
+    from memory stream faster so, ones already in the cache a little slower); returns the previous setting."""
+    return bool(torch.ops.star_elastic.dot_bf16_prefetch(on))
+
+
 def gemv(x: Tensor, w: Tensor) -> Tensor:
     """x (in,) bfloat16 values (any float dtype holding them), w (out, in) bfloat16 -> (out,) float32."""
     return torch.ops.star_elastic.gemv_bf16(x.to(torch.bfloat16), w)

@@ -48,6 +48,25 @@ def test_gemv_reads_a_row_block_of_a_wider_matrix_through_its_row_stride():
     assert torch.allclose(dot_bf16.gemv(x, w).double(), ref, rtol=0, atol=1e-4 * ref.abs().max().item())
 
 
+def test_the_prefetch_of_the_rows_ahead_changes_no_result():
+    """With and without the prefetch, bit for bit (it only asks for memory early), on a matrix, a row block of a
+    wider one and an expert stack; the switch returns the previous setting."""
+    g = torch.Generator().manual_seed(2)
+    parent = torch.randn(300, 700, generator=g).to(torch.bfloat16)
+    stack = torch.randn(4, 37, 96, generator=g).to(torch.bfloat16)
+    x, xs, idx = parent[0, :640].clone(), torch.randn(2, 96, generator=g).to(torch.bfloat16), torch.tensor([3, 1])
+    cases = [lambda: dot_bf16.gemv(x, parent[:, :640]), lambda: dot_bf16.gemv(x, parent[13:290, 50:690]),
+             lambda: dot_bf16.gemv_gather(xs, stack, idx)]  # fmt: skip
+    assert dot_bf16.set_prefetch(True) is True  # on by default
+    with_prefetch = [f() for f in cases]
+    try:
+        assert dot_bf16.set_prefetch(False) is True
+        without = [f() for f in cases]
+    finally:
+        assert dot_bf16.set_prefetch(True) is False
+    assert all(torch.equal(a, b) for a, b in zip(with_prefetch, without, strict=True))
+
+
 def test_gemv_gather_takes_each_rows_expert_and_broadcasts_one_row():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(8, 96, 200, generator=g).to(torch.bfloat16)
