@@ -35,9 +35,8 @@ from model.elastic.export import export_nested
 from model.hybrid import HybridLM
 
 FORMATS = ("f32", "fp8", "nvfp4")
-DENSE = {"f32": torch.float32, "bf16": torch.bfloat16}
-"""Unquantized formats: the nested checkpoint written in that dtype (``bf16``: the float32 parent cast, as a
-published checkpoint is)."""
+DENSE = ("f32", "bf16")
+"""Unquantized formats: the nested checkpoint written in float32, or cast to bfloat16 as a published one is."""
 CACHED = "-cached"
 """Suffix of a quantized format served with ``cache_dequantized`` on (``fp8-cached``)."""
 COMPILED = "-compiled"

@@ -103,12 +103,6 @@ def unavailable_reason() -> str | None:
     return reason if isinstance(reason, str) else None
 
 
-def usable(w: Tensor) -> bool:
-    """Whether a one-row projection by ``w`` (out, in) or a stack (E, out, in) takes the operators: bfloat16 on
-    the CPU with a contiguous last dimension, and the operators available."""
-    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1 and available()
-
-
 def set_prefetch(on: bool) -> bool:
     """Whether each task of the operators prefetches the rows two tasks ahead (on by default: weights that come
     from memory stream faster so, ones already in the cache a little slower); returns the previous setting."""
