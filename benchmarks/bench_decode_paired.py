@@ -142,6 +142,10 @@ def _patch(name: str) -> None:
 
         if dot_bf16.available():
             dot_bf16.set_prefetch(False)
+    elif name == "no_amx":  # with 'compiled': several-rows bfloat16 projections through the library GEMMs
+        from model.decode import dot_bf16
+
+        os.environ[dot_bf16.ROWS_SWITCH_ENV] = "0"
     elif name == "plain_argmax":  # greedy picks by argmax on the logits in their own dtype
         from model import generate
 
@@ -171,6 +175,8 @@ VARIANTS = {
     "no_dot_bf16": "with 'compiled': one-row bfloat16 projections through inductor's generated loop, not the "
     "bfloat16 dot-product operators (model/decode/dot_bf16.py)",
     "no_dot_prefetch": "with 'compiled': the bfloat16 dot-product operators without the prefetch of the rows ahead",
+    "no_amx": "with 'compiled': several-rows bfloat16 projections and grouped experts through the library GEMMs, "
+    "not the AMX operators (model/decode/dot_bf16.py)",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",
 }
 

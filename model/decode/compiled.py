@@ -15,8 +15,9 @@ per model shape serves every length. One call per token instead of several hundr
 One row (a stream decoding alone: the latency case, where dispatch weighs most) and several rows are two
 graphs. In the second the row count is dynamic too (marked on every per-row argument), so one graph serves
 every batch of two rows or more, with or without left padding (:class:`~model.cache.KVCache`'s ``pad``): no
-batch-size buckets to compile, none to pad to. Its projections are library GEMMs (each weight read once for
-all rows) and its routed experts a grouped GEMM (half precision) or the dense pass (float32).
+batch-size buckets to compile, none to pad to. Its projections are GEMMs (each weight read once for all
+rows: AMX operators for bfloat16 where the CPU has AMX, :mod:`model.decode.dot_bf16`, library GEMMs
+otherwise) and its routed experts a grouped GEMM (half precision) or the dense pass (float32).
 
 The generated GEMV streams an outputs-major contiguous matrix fastest. Weights stored otherwise, as a budget
 view's are (inputs-major, runs of rows, row prefixes, strided expert stacks: :mod:`model.decode.budget_view`),
@@ -91,6 +92,7 @@ def compiled_step() -> Callable[..., Any]:
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
         step_functions.DOT_BF16 = dot_bf16.available()
+        step_functions.AMX_BF16 = dot_bf16.rows_available()
         _COMPILED = torch.compile(step_function, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
     return _COMPILED
 

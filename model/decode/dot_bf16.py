@@ -1,4 +1,5 @@
-"""One-row bfloat16 projections on the CPU's bfloat16 dot-product instruction, for the compiled decode step.
+"""bfloat16 projections on the CPU's bfloat16 instructions, for the compiled decode step: one row on the
+dot-product instruction, several rows on AMX tiles.
 
 Inductor generates a one-row projection (:func:`~model.decode.step_functions.gemv`) as a loop that widens
 every bfloat16 weight to float32 and multiplies and adds it; on a CPU with AVX512_BF16 one ``vdpbf16ps``
@@ -8,15 +9,25 @@ arithmetic is the bound), the dot-product loop ~70 GB/s from the L2 cache, ~35-4
 (``benchmarks/RESULTS.md``). So the one-row step's bfloat16 projections call it (:func:`gemv`), while float32
 weights, weights without a contiguous last dimension and CPUs without the instruction keep the generated loop.
 
+Several rows (a batch of streams) are GEMMs of a few rows, where the library's bfloat16 GEMM reads the weight
+at 6-12 GB/s on that machine (it re-lays the weight for its kernel at every call). :func:`gemm` and
+:func:`gemm_grouped` (the routed experts, rows grouped by expert as ``F.grouped_mm`` takes them) read the
+weight once as it is, 16 weight rows at a time as an AMX tile, against the rows of x packed once per call:
+1.3-2.7x the library GEMM at 2-32 rows (RESULTS.md). Where the CPU or the kernel offers no AMX tiles they
+fall back to the dot-product loop, which only pays up to ~4 rows, so the several-rows step uses them only
+where AMX runs (:func:`rows_available`).
+
 The kernels (``dot_bf16.cpp``, beside this file) are operators of the ``star_elastic`` library, built with
 the C++ compiler inductor already needs (``torch.utils.cpp_extension``, into ``$STAR_ELASTIC_CACHE/ext``, so
 a later process loads the built library) and called from the compiled step's C++ wrapper through the
 dispatcher. :func:`available` builds and loads them once per process and says whether they run here; a
 failed build or a CPU without the instruction leaves the generated loop, with the reason in
-:func:`unavailable_reason`. ``STAR_ELASTIC_DOT_BF16=0`` switches them off (the reference: the generated loop).
+:func:`unavailable_reason`. ``STAR_ELASTIC_DOT_BF16=0`` switches them all off (the references: the generated
+loop and the library GEMMs), ``STAR_ELASTIC_AMX_BF16=0`` only the several-rows ones.
 
-Reference and test: ``tests/unit/test_dot_bf16.py`` compares both operators with float64 dot products of the
-same bfloat16 values, and a compiled step with them against one without.
+Reference and test: ``tests/unit/test_dot_bf16.py`` compares every operator, on both of its paths, with
+float64 dot products of the same bfloat16 values, and compiled steps of one row and of several with them
+against the same graphs without them and against the eager steps.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from model.cache_folder import cache_folder
 log = logging.getLogger(__name__)
 
 SWITCH_ENV = "STAR_ELASTIC_DOT_BF16"
+ROWS_SWITCH_ENV = "STAR_ELASTIC_AMX_BF16"
 SOURCE = Path(__file__).with_name("dot_bf16.cpp")
 
 _lock = threading.Lock()
@@ -86,6 +98,14 @@ def _register_fakes() -> None:
     def _(x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
         return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
 
+    @torch.library.register_fake("star_elastic::gemm_bf16")
+    def _(x: Tensor, w: Tensor) -> Tensor:
+        return w.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("star_elastic::gemm_bf16_grouped")
+    def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
+
 
 def available() -> bool:
     """Whether the bfloat16 dot-product operators run in this process (built and loaded on the first call)."""
@@ -103,10 +123,36 @@ def unavailable_reason() -> str | None:
     return reason if isinstance(reason, str) else None
 
 
+def rows_available() -> bool:
+    """Whether bfloat16 projections of several rows take the AMX operators (:func:`gemm`, :func:`gemm_grouped`):
+    the operators run here (:func:`available`), the CPU has AMX tiles for bfloat16 and the kernel lets this
+    process use them, and ``STAR_ELASTIC_AMX_BF16`` is not ``0``."""
+    if not available() or os.environ.get(ROWS_SWITCH_ENV, "1") == "0":
+        return False
+    return bool(torch.ops.star_elastic.dot_bf16_amx_supported())
+
+
+def rows_unavailable_reason() -> str | None:
+    """Why :func:`rows_available` is False, or None when it is True."""
+    if not available():
+        return unavailable_reason()
+    if os.environ.get(ROWS_SWITCH_ENV, "1") == "0":
+        return f"switched off ({ROWS_SWITCH_ENV}=0)"
+    if not torch.ops.star_elastic.dot_bf16_amx_supported():
+        return "this CPU or kernel offers no AMX bfloat16 tiles"
+    return None
+
+
 def set_prefetch(on: bool) -> bool:
     """Whether each task of the operators prefetches the rows two tasks ahead (on by default: weights that come
     from memory stream faster so, ones already in the cache a little slower); returns the previous setting."""
     return bool(torch.ops.star_elastic.dot_bf16_prefetch(on))
+
+
+def set_amx(on: bool) -> bool:
+    """Whether :func:`gemm` / :func:`gemm_grouped` use AMX tiles where they can (on by default; off, they take
+    the dot-product loop: a reference for tests); returns the previous setting."""
+    return bool(torch.ops.star_elastic.dot_bf16_amx(on))
 
 
 def gemv(x: Tensor, w: Tensor) -> Tensor:
@@ -117,3 +163,16 @@ def gemv(x: Tensor, w: Tensor) -> Tensor:
 def gemv_gather(x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
     """Row j of x (k, in) by expert ``idx[j]`` of w (E, out, in) bfloat16 -> (k, out) float32."""
     return torch.ops.star_elastic.gemv_bf16_gather(x.to(torch.bfloat16), w, idx)
+
+
+def gemm(x: Tensor, w: Tensor) -> Tensor:
+    """x (rows, in) bfloat16 values, w (out, in) bfloat16 -> (rows, out) float32 (AMX tiles where
+    :func:`rows_available`; the dot-product loop otherwise)."""
+    return torch.ops.star_elastic.gemm_bf16(x.to(torch.bfloat16), w)
+
+
+def gemm_grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Rows of x (T, in) grouped by expert, as ``F.grouped_mm`` takes them: expert e of w (E, out, in) bfloat16
+    for rows ``offs[e-1]:offs[e]`` (offs (E,) int32, cumulative) -> (T, out) float32, rows past ``offs[-1]``
+    zero; experts with no rows are not read."""
+    return torch.ops.star_elastic.gemm_bf16_grouped(x.to(torch.bfloat16), w, offs)

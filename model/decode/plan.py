@@ -154,6 +154,8 @@ class DecodePlan:
             if not dot
             else ", bfloat16 dot-product GEMV "
             + ("on" if step_functions.DOT_BF16 else f"off: {dot_bf16.unavailable_reason() or 'not built'}")
+            + ", AMX GEMM of several rows "
+            + ("on" if step_functions.AMX_BF16 else f"off: {dot_bf16.rows_unavailable_reason() or 'not built'}")
         )
         return f"{verdicts} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies{gemv})"
 

@@ -9,7 +9,8 @@ One row (the latency case) and several rows are traced apart (a graph's row coun
 at least 2). One row: projections are written as dot products (:func:`gemv`), which inductor generates as
 vectorised loops streaming the weight once, and a token's routed experts are chosen on the device (``topk``,
 the selected experts' weights read through their indices inside the loops). Several rows: projections are
-GEMMs (the library kernel, reading each weight once for all rows) and the routed experts take the grouped
+GEMMs (the AMX operators of :mod:`model.decode.dot_bf16` for bfloat16 weights where the CPU has AMX, the
+library kernel otherwise: each reads a weight once for all rows) and the routed experts take the grouped
 path or the dense pass (:func:`moe_rows`), so that the norms, the conv
 and SSM updates, the routing and the attention around them fuse into a few loops. Nothing reads a value
 back to the host: the whole of :func:`step` is one graph.
@@ -35,6 +36,11 @@ DOT_BF16 = False
 set by :func:`model.decode.compiled.compiled_step` before a graph is traced (a traced step reads it as a
 constant, and the graph is guarded on it)."""
 
+AMX_BF16 = False
+"""Whether bfloat16 projections of several rows (and the grouped routed experts) take the AMX operators
+(:func:`model.decode.dot_bf16.gemm` / :func:`~model.decode.dot_bf16.gemm_grouped`) rather than the library
+GEMMs; set with :data:`DOT_BF16` (:func:`model.decode.dot_bf16.rows_available`)."""
+
 Projection = tuple[str, list[Tensor], list[Tensor | None]]
 """What a compiled step multiplies by for one projection: ``("one", [weight], [bias])``; ``("rows", runs,
 biases)`` for a budget's row runs of a parent weight (outputs concatenated); ``("cols", runs, [bias])`` for
@@ -46,6 +52,12 @@ def dot_bf16_weight(w: Tensor) -> bool:
     """Whether a one-row projection by ``w`` takes the bfloat16 dot-product operators (:data:`DOT_BF16`, a
     bfloat16 CPU weight with a contiguous last dimension)."""
     return DOT_BF16 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.stride(-1) == 1
+
+
+def amx_weight(w: Tensor) -> bool:
+    """Whether a several-rows projection by ``w`` takes the AMX operators (:data:`AMX_BF16`, a bfloat16 CPU weight
+    with a contiguous last dimension)."""
+    return AMX_BF16 and dot_bf16_weight(w)
 
 
 def gemv(x: Tensor, w: Tensor) -> Tensor:
@@ -88,24 +100,28 @@ def project_rows(x: Tensor, p: Projection, residual: Tensor | None = None) -> Te
 def project(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
     """``linear(x) (+ residual)`` as the eager step computes it: x (rows, in) -> (rows, out) in the weight's
     dtype, accumulated in float32; a residual of that dtype is added before the one rounding (the eager GEMM's
-    addend), one of another dtype (a float32 residual stream) after it, promoted. Several rows:
-    :func:`project_rows`."""
-    if x.shape[0] != 1:
-        return project_rows(x, p, residual)
+    addend), one of another dtype (a float32 residual stream) after it, promoted. One row: dot products
+    (:func:`gemv`); several rows: the AMX operators for bfloat16 weights (:func:`amx_weight`), otherwise the
+    library GEMMs (:func:`project_rows`)."""
     form, weights, biases = p
     dtype = weights[0].dtype
-    xf = x.view(-1).to(dtype).to(F32)
+    if x.shape[0] == 1:
+        xf, mul = x.view(-1).to(dtype).to(F32), gemv  # (in,) and (in,) -> (out,) products
+    elif all(amx_weight(w) for w in weights):
+        xf, mul = x.to(dtype), dot_bf16.gemm  # (rows, in) -> (rows, out)
+    else:
+        return project_rows(x, p, residual)
     if form == "rows":
-        parts = [gemv(xf, w) if b is None else gemv(xf, w) + b.to(F32) for w, b in zip(weights, biases, strict=True)]
-        acc = torch.cat(parts)
+        parts = [mul(xf, w) if b is None else mul(xf, w) + b.to(F32) for w, b in zip(weights, biases, strict=True)]
+        acc = torch.cat(parts, -1)
     elif form == "cols":
-        pieces = xf.split([w.shape[1] for w in weights])
-        acc = sum(gemv(piece, w) for piece, w in zip(pieces, weights, strict=True))
+        pieces = xf.split([w.shape[1] for w in weights], -1)
+        acc = sum(mul(piece, w) for piece, w in zip(pieces, weights, strict=True))
         acc = acc if biases[0] is None else acc + biases[0].to(F32)
     else:
-        acc = gemv(xf, weights[0])
+        acc = mul(xf, weights[0])
         acc = acc if biases[0] is None else acc + biases[0].to(F32)
-    acc = acc[None]
+    acc = acc[None] if acc.dim() == 1 else acc
     if residual is not None and residual.dtype == dtype:
         return (residual.to(F32) + acc).to(dtype)
     out = acc.to(dtype)
@@ -233,7 +249,8 @@ def moe_rows(
 def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """:class:`~model.moe.Experts`' grouped path (:meth:`MoEStep.rows <model.decode.layers.MoEStep.rows>`): the
     (row, expert) assignments idx / w (rows, k) sorted by expert (stably), each expert's slice through one
-    grouped GEMM per projection (``F.grouped_mm``: the offsets are data, every shape static in rows * k), the
+    grouped GEMM per projection (``F.grouped_mm``, or the AMX operator :func:`~model.decode.dot_bf16.gemm_grouped`
+    where :func:`amx_weight`: the offsets are data, every shape static in rows * k), the
     outputs put back in (row, k) order, scaled by their routing weights and summed per row (a gather and a sum,
     which inductor generates, where the eager path's ``index_add`` would leave the graph's C++ wrapper for a
     Python fallback). Only the selected experts' work is done."""
@@ -243,8 +260,13 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     counts = torch.zeros(e, dtype=flat.dtype, device=flat.device).scatter_add(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)
     token = order // top_k
-    act = torch.relu(F.grouped_mm(h.to(up.dtype)[token], up.transpose(1, 2), offs=offs)).square()  # (rows * k, F)
-    ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)  # (rows * k, hidden), sorted by expert
+    hs = h.to(up.dtype)[token]  # (rows * k, hidden), sorted by expert
+    if amx_weight(up) and amx_weight(down):  # the AMX operators (float32 out, rounded as the GEMM rounds)
+        act = torch.relu(dot_bf16.gemm_grouped(hs, up, offs).to(up.dtype)).square()  # (rows * k, F)
+        ys = dot_bf16.gemm_grouped(act, down, offs).to(up.dtype)  # (rows * k, hidden)
+    else:
+        act = torch.relu(F.grouped_mm(hs, up.transpose(1, 2), offs=offs)).square()
+        ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)
     back = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
     ys = ys[back].view(h.shape[0], top_k, ys.shape[-1])  # (rows, k, hidden), each row's experts in idx order
     return base + (ys * w.to(ys.dtype)[..., None]).sum(1)

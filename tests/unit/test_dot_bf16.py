@@ -136,3 +136,111 @@ def test_a_compiled_bfloat16_step_calls_the_operators_and_holds_to_the_eager_ste
         assert (fast - ref).abs().max().item() <= 2e-2
         assert (fast - loop).abs().max().item() <= 2e-2
         out = model(tok, cache=out.cache)
+
+
+# ---------------------------------------------------------------------- several rows (AMX tiles)
+def _both_paths(run):
+    """``run()`` with AMX tiles (where this CPU and kernel allow them) and with the dot-product loop."""
+    previous = dot_bf16.set_amx(True)
+    try:
+        tiles = run()
+        dot_bf16.set_amx(False)
+        loop = run()
+    finally:
+        dot_bf16.set_amx(previous)
+    return tiles, loop
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, inputs: int) -> bool:
+    return torch.allclose(out.double(), ref, rtol=0, atol=RTOL * inputs**0.5 * ref.abs().max().item() + 1e-6)
+
+
+@pytest.mark.parametrize(
+    "rows, out, inputs",
+    [(2, 64, 512), (16, 1288, 768), (5, 70, 96), (17, 40, 128), (40, 96, 64), (3, 7, 33), (4, 100, 100)],
+)
+def test_gemm_equals_float64_dot_products_of_its_bfloat16_values(rows, out, inputs):
+    """Blocks of 32 weight rows (AMX tiles) and the rows past the last block (dot products), inputs that are a
+    multiple of 32 and not (dot products only), one and several 16-row tiles of x; with the tiles and without."""
+    g = torch.Generator().manual_seed(rows * out + inputs)
+    w = torch.randn(out, inputs, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, inputs, generator=g).to(torch.bfloat16)
+    ref = x.double() @ w.double().t()
+    for got in _both_paths(lambda: dot_bf16.gemm(x, w)):
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert _close(got, ref, inputs)
+
+
+def test_gemm_reads_a_row_block_of_a_wider_matrix_and_rows_of_a_wider_x():
+    g = torch.Generator().manual_seed(3)
+    parent = torch.randn(300, 1024, generator=g).to(torch.bfloat16)
+    w = parent[10:210, 64:576]  # rows 1024 apart, 512 wide
+    x = torch.randn(9, 700, generator=g).to(torch.bfloat16)[:, 100:612]
+    ref = x.double() @ w.double().t()
+    for got in _both_paths(lambda: dot_bf16.gemm(x, w)):
+        assert _close(got, ref, 512)
+
+
+def test_gemm_grouped_takes_each_experts_rows_by_their_offsets():
+    """Rows sorted by expert with cumulative offsets (``F.grouped_mm``'s): an expert with no rows, one with more
+    than a 16-row tile, rows past the last offset (zeros); a strided stack (a budget's slice of the experts)."""
+    g = torch.Generator().manual_seed(4)
+    parent = torch.randn(5, 120, 200, generator=g).to(torch.bfloat16)
+    for w in (parent[:4, :96, :128].contiguous(), parent[1:5, 8:104, 36:164]):
+        counts = [7, 0, 19, 3]
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        x = torch.randn(31, 128, generator=g).to(torch.bfloat16)
+        ref = torch.zeros(31, 96, dtype=torch.float64)
+        start = 0
+        for e, c in enumerate(counts):
+            ref[start : start + c] = x[start : start + c].double() @ w[e].double().t()
+            start += c
+        for got in _both_paths(lambda x=x, w=w, offs=offs: dot_bf16.gemm_grouped(x, w, offs)):
+            assert got.shape == (31, 96) and _close(got, ref, 128)
+            assert torch.equal(got[start:], torch.zeros(31 - start, 96))
+
+
+def test_bad_groups_get_errors_that_name_the_problem():
+    w = torch.randn(3, 32, 64).to(torch.bfloat16)
+    x = torch.randn(6, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="offs must rise"):
+        dot_bf16.gemm_grouped(x, w, torch.tensor([4, 2, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="offs must be int32"):
+        dot_bf16.gemm_grouped(x, w, torch.tensor([2, 4, 6]))
+    with pytest.raises(RuntimeError, match="must be \\(rows, in\\)"):
+        dot_bf16.gemm(x[0], w[0])
+
+
+@torch.no_grad()
+def test_a_compiled_bfloat16_step_of_several_rows_calls_the_amx_operators(monkeypatch):
+    """Three rows through the several-rows graph: its projections and its grouped experts take the operators
+    (where this machine has AMX tiles), and its logits hold to the eager steps' rounding and to the same graph
+    on the library GEMMs (the reference they replace)."""
+    if not dot_bf16.rows_available():
+        pytest.skip(f"AMX operators unavailable: {dot_bf16.rows_unavailable_reason()}")
+    model = _model({}).to(torch.bfloat16)
+    plan = DecodePlan(model, compiled=True)
+    plan.compiled.one_row = False  # several rows only
+    eager = DecodePlan(model)
+    ids = _ids(12, seed=11, rows=3)
+    out = model(ids[:, :8], use_cache=True)
+    for t in range(8, 11):
+        tok = ids[:, t : t + 1]
+        called = _called_operators(plan, tok, clone_cache(out.cache))
+        assert step_functions.AMX_BF16
+        assert {"star_elastic::gemm_bf16", "star_elastic::gemm_bf16_grouped"} <= called
+        fast = plan(tok, clone_cache(out.cache)).logits.float()
+        monkeypatch.setattr(step_functions, "AMX_BF16", False)
+        assert not _called_operators(plan, tok, clone_cache(out.cache)) & {"star_elastic::gemm_bf16"}
+        library = plan(tok, clone_cache(out.cache)).logits.float()
+        monkeypatch.setattr(step_functions, "AMX_BF16", True)
+        ref = eager(tok, clone_cache(out.cache)).logits.float()
+        assert (fast - ref).abs().max().item() <= 2e-2
+        assert (fast - library).abs().max().item() <= 2e-2
+        out = model(tok, cache=out.cache)
+
+
+def test_the_amx_switch_says_why_it_is_off(monkeypatch):
+    monkeypatch.setenv(dot_bf16.ROWS_SWITCH_ENV, "0")
+    assert not dot_bf16.rows_available()
+    assert dot_bf16.rows_unavailable_reason() == f"switched off ({dot_bf16.ROWS_SWITCH_ENV}=0)"

@@ -1,0 +1,119 @@
+"""bfloat16 projections of a few rows: the AMX operator against the library GEMM, per shape and row count.
+
+A decode step of a batch multiplies a few rows (one per stream) by every weight. ``F.linear`` in bfloat16 (the
+library GEMM the several-rows step used) and ``star_elastic::gemm_bf16`` (:mod:`model.decode.dot_bf16`: AMX
+tiles read the weight as it is, where the CPU has them; the dot-product loop otherwise) on the ~115M family's
+shapes, at 2-64 rows, alternating in every round:
+
+- ``hot``: one weight, multiplied again and again (it stays in the cache where it fits);
+- ``cold``: as many distinct weights as fill ~400 MB, each multiplied once per pass (every one from memory).
+
+Prints each case's median time, the weight bytes read per second and linear / operator (above 1: the operator
+is faster). Also the GEMV read bandwidth of the machine measured in the same run (bench_budget_decode's)::
+
+    python benchmarks/bench_gemm_bf16.py --threads 2 --json runs/bench_gemm_bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_budget_decode import bandwidth  # noqa: E402
+from benchmarks.common import format_table, machine_info, save_json, set_threads  # noqa: E402
+from model.decode import dot_bf16  # noqa: E402
+
+SHAPES = {  # (out, in) of the ~115M family's projections (bench_peers' parent and its small budget)
+    "Mamba in_proj, full": (1288, 768),
+    "Mamba in_proj, small": (772, 512),
+    "Mamba out_proj, full": (768, 512),
+    "LM head, small": (49152, 512),
+}
+
+
+def median_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, rounds: int) -> float:
+    """Median over ``rounds`` of one pass over ``weights`` (seconds per weight)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for w in weights:
+            fn(x, w)
+        times.append((time.perf_counter() - start) / len(weights))
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows_out = []
+    for label, (out, inputs) in SHAPES.items():
+        nbytes = out * inputs * 2
+        for mode in args.modes:
+            count = 1 if mode == "hot" else max(1, (args.cold_mb << 20) // nbytes)
+            weights = [torch.randn(out, inputs).to(torch.bfloat16) for _ in range(count)]
+            reps = max(1, 20 // count)
+            for m in args.rows:
+                x = torch.randn(m, inputs).to(torch.bfloat16)
+                linear = lambda x, w: F.linear(x, w)  # noqa: E731
+                for fn in (linear, dot_bf16.gemm):  # warm both (allocator, operator's first call)
+                    fn(x, weights[0])
+                ts: dict[str, list[float]] = {"linear": [], "operator": []}
+                for r in range(args.rounds):  # alternate, the order reversed every other round
+                    order = [("linear", linear), ("operator", dot_bf16.gemm)]
+                    for name, fn in order if r % 2 == 0 else order[::-1]:
+                        ts[name].append(median_seconds(fn, weights * reps, x, 1))
+                lin, op = statistics.median(ts["linear"]), statistics.median(ts["operator"])
+                ratios = [a / b for a, b in zip(ts["linear"], ts["operator"], strict=True)]
+                rows_out.append({"shape": label, "out": out, "in": inputs, "mode": mode, "rows": m,
+                                 "linear_us": lin * 1e6, "operator_us": op * 1e6,
+                                 "linear_gbs": nbytes / lin / 1e9, "operator_gbs": nbytes / op / 1e9,
+                                 "linear_over_operator": statistics.median(ratios)})  # fmt: skip
+                print(f"  {label} {mode} rows {m}: linear {lin * 1e6:.1f} us, operator {op * 1e6:.1f} us", flush=True)
+            del weights
+    return rows_out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="2,4,8,16,32,64", help="comma-separated row counts")
+    p.add_argument("--modes", default="hot,cold", help="hot, cold or both")
+    p.add_argument("--cold-mb", type=int, default=400, help="weights per cold pass (MB)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.rows = [int(r) for r in args.rows.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    set_threads(args.threads)
+    if not dot_bf16.available():
+        raise SystemExit(f"the bfloat16 operators do not run here: {dot_bf16.unavailable_reason()}")
+    amx = dot_bf16.rows_available()
+    load = os.getloadavg()
+    bw = bandwidth(args.threads)
+    print(f"load average {load[0]:.2f}; GEMV read {bw['read_gbs']:.1f} GB/s; operator on "
+          f"{'AMX tiles' if amx else 'the dot-product loop: ' + str(dot_bf16.rows_unavailable_reason())}")  # fmt: skip
+    results = run(args)
+    headers = ["shape (out x in)", "mode", "rows", "linear us", "GB/s", "operator us", "GB/s", "linear / operator"]
+    body = [[f"{r['shape']} ({r['out']} x {r['in']})", r["mode"], r["rows"], f"{r['linear_us']:.1f}",
+             f"{r['linear_gbs']:.1f}", f"{r['operator_us']:.1f}", f"{r['operator_gbs']:.1f}",
+             f"{r['linear_over_operator']:.2f}"] for r in results]  # fmt: skip
+    print(format_table(headers, body))
+    end = os.getloadavg()[0]
+    print(f"load average at the end {end:.2f} (with this benchmark's own threads)")
+    if args.json:
+        save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "load_end": end,
+                              "bandwidth": bw, "amx": amx, "rows": results})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
