@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from model.cache import HybridCache, KVCache, MambaCache, concat_caches
+from model.decode import dot_bf16
 from model.decode.plan import decode_plan
 from model.masks import ModelMask
 
@@ -89,11 +90,18 @@ def row_seed(seed: int, row: int) -> int:
 def greedy_tokens(logits: Tensor) -> Tensor:
     """logits: (..., vocab) -> the argmax over the last dimension (...,), ties to the lowest id.
 
-    Half-precision logits are taken in float32 first (exactly: every bfloat16 / float16 value is one):
-    PyTorch's CPU argmax has no vectorised half-precision loop, and over a 49k vocabulary in bfloat16 it took
-    ~0.2 ms, the cast and a float32 argmax ~0.06 ms (a one-row bfloat16 decode step of a 60M budget: ~4 ms)."""
-    if logits.dtype in (torch.bfloat16, torch.float16) and logits.device.type == "cpu":
-        logits = logits.float()
+    PyTorch's CPU argmax is a scalar loop: over a 49k vocabulary ~0.1 ms per float32 row, ~0.2 ms per bfloat16
+    one (a one-row bfloat16 decode step of a 60M budget: ~4 ms; 16 rows: ~1-2 ms of a ~12 ms step). Where the
+    decode operators are loaded in this process (:func:`model.decode.dot_bf16.loaded`: a compiled decode step
+    built them) CPU logits take their vectorised argmax (:func:`~model.decode.dot_bf16.argmax_rows`, the same
+    pick); otherwise half-precision logits are taken in float32 first (exactly: every bfloat16 / float16 value
+    is one), whose argmax is faster than half precision's."""
+    if logits.device.type == "cpu" and logits.dim() >= 1 and logits.shape[-1] > 0:
+        if logits.dtype in (torch.float32, torch.bfloat16) and logits.stride(-1) == 1 and dot_bf16.loaded():
+            rows = logits.reshape(-1, logits.shape[-1])
+            return dot_bf16.argmax_rows(rows).view(logits.shape[:-1])
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
     return logits.argmax(-1)
 
 

@@ -11,6 +11,7 @@
 //   gemv_bf16_gather(x (k, in), w (E, out, in), idx (k,) int64) -> (k, out) float32, row j by w[idx[j]]
 //   gemm_bf16(x (m, in), w (out, in)) -> (m, out) float32
 //   gemm_bf16_grouped(x (T, in), w (E, out, in), offs (E,) int32) -> (T, out) float32, rows by expert
+//   argmax_rows(logits (rows, vocab) float32 / bfloat16) -> (rows,) int64, torch.argmax's pick (greedy decoding)
 //
 // Weights need a contiguous last dimension (any row stride); x's rows too (row stride 0 broadcasts one row).
 
@@ -22,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -44,14 +46,15 @@ std::atomic<bool> prefetch_on{true};
 
 bool supported() {
 #ifdef STAR_ELASTIC_X86
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
 #else
   return false;
 #endif
 }
 
 #ifdef STAR_ELASTIC_X86
-#define STAR_ELASTIC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define STAR_ELASTIC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // Dot products of ROWS weight rows (row_stride apart) with x over n bfloat16 values; the accumulators are
 // separate variables (an array indexed at run time would live in memory).
@@ -501,6 +504,75 @@ at::Tensor gemm_bf16_grouped(const at::Tensor& x, const at::Tensor& w, const at:
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------- greedy pick
+// The argmax of every row of logits (rows, vocab), float32 or bfloat16, as torch.argmax picks it: the first
+// largest value, a NaN counting as the largest (the first NaN). PyTorch's CPU argmax is a scalar loop (~0.1 ms
+// per 49k float32 row, ~0.2 ms in bfloat16); this one keeps 16 running maxima and their first indices.
+#ifdef STAR_ELASTIC_X86
+template <bool BF16>
+STAR_ELASTIC_BF16_TARGET __m512 load_logits(const void* row, int64_t k, __mmask16 mask) {
+  if constexpr (BF16) {
+    const __m256i half = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(row) + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  } else {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(row) + k);
+  }
+}
+
+template <bool BF16>
+STAR_ELASTIC_BF16_TARGET int64_t argmax_row(const void* row, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = lowest;
+  __m512i best_at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512i at = best_at;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 mask = n - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - k)) - 1);
+    const __m512 v = _mm512_mask_mov_ps(lowest, mask, load_logits<BF16>(row, k, mask));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: each lane keeps its first
+    best = _mm512_mask_mov_ps(best, greater, v);
+    best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    at = _mm512_add_epi32(at, step);
+  }
+  if (nan) {  // rare: the first NaN, as torch.argmax
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = BF16 ? static_cast<float>(c10::BFloat16(static_cast<const uint16_t*>(row)[k], c10::BFloat16::from_bits()))
+                           : static_cast<const float*>(row)[k];
+      if (v != v) return k;
+    }
+  }
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 ties = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);  // the lowest index of them
+  return _mm512_mask_reduce_min_epi32(ties, best_at);
+}
+#endif
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(supported(), "argmax_rows: this CPU has no AVX512_BF16");
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2, "argmax_rows: logits must be (rows, vocab) on the CPU, got ",
+              logits.sizes());
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "argmax_rows: logits must be float32 or bfloat16, got ", logits.scalar_type());
+  TORCH_CHECK(logits.stride(1) == 1, "argmax_rows: the vocabulary dimension must be contiguous");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "argmax_rows: vocab must be 1 .. 2^31 - 1, got ", n);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+#ifdef STAR_ELASTIC_X86
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const auto* base = static_cast<const char*>(logits.const_data_ptr());
+  const int64_t row_bytes = stride * logits.element_size();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      op[r] = bf16 ? argmax_row<true>(base + r * row_bytes, n) : argmax_row<false>(base + r * row_bytes, n);
+    }
+  });
+#endif
+  return out;
+}
+
 bool dot_bf16_amx(bool on) { return amx_on.exchange(on); }
 
 bool dot_bf16_amx_supported() { return amx_supported(); }
@@ -516,6 +588,7 @@ TORCH_LIBRARY(star_elastic, m) {
   m.def("gemv_bf16_gather(Tensor x, Tensor w, Tensor idx) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemm_bf16_grouped(Tensor x, Tensor w, Tensor offs) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("dot_bf16_supported() -> bool", &dot_bf16_supported);
   m.def("dot_bf16_prefetch(bool on) -> bool", &dot_bf16_prefetch);
   m.def("dot_bf16_amx(bool on) -> bool", &dot_bf16_amx);
@@ -527,4 +600,5 @@ TORCH_LIBRARY_IMPL(star_elastic, CPU, m) {
   m.impl("gemv_bf16_gather", &gemv_bf16_gather);
   m.impl("gemm_bf16", &gemm_bf16);
   m.impl("gemm_bf16_grouped", &gemm_bf16_grouped);
+  m.impl("argmax_rows", &argmax_rows);
 }

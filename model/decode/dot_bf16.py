@@ -106,6 +106,10 @@ def _register_fakes() -> None:
     def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
 
+    @torch.library.register_fake("star_elastic::argmax_rows")
+    def _(logits: Tensor) -> Tensor:
+        return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
 
 def available() -> bool:
     """Whether the bfloat16 dot-product operators run in this process (built and loaded on the first call)."""
@@ -115,6 +119,12 @@ def available() -> bool:
             if _state["reason"] is not None:
                 log.info("bfloat16 dot-product GEMV not used: %s", _state["reason"])
         return _state["reason"] is None
+
+
+def loaded() -> bool:
+    """Whether the operators already run in this process (:func:`available` was asked and said yes); unlike
+    :func:`available` it never builds them (for callers that should not pay for a build, e.g. a greedy pick)."""
+    return "reason" in _state and _state["reason"] is None
 
 
 def unavailable_reason() -> str | None:
@@ -163,6 +173,12 @@ def gemv(x: Tensor, w: Tensor) -> Tensor:
 def gemv_gather(x: Tensor, w: Tensor, idx: Tensor) -> Tensor:
     """Row j of x (k, in) by expert ``idx[j]`` of w (E, out, in) bfloat16 -> (k, out) float32."""
     return torch.ops.star_elastic.gemv_bf16_gather(x.to(torch.bfloat16), w, idx)
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """logits (rows, vocab) float32 or bfloat16, vocabulary contiguous -> (rows,) int64: ``logits.argmax(-1)``
+    (the first largest value; the first NaN where there is one) on 16 running maxima at once."""
+    return torch.ops.star_elastic.argmax_rows(logits)
 
 
 def gemm(x: Tensor, w: Tensor) -> Tensor:

@@ -244,3 +244,26 @@ def test_the_amx_switch_says_why_it_is_off(monkeypatch):
     monkeypatch.setenv(dot_bf16.ROWS_SWITCH_ENV, "0")
     assert not dot_bf16.rows_available()
     assert dot_bf16.rows_unavailable_reason() == f"switched off ({dot_bf16.ROWS_SWITCH_ENV}=0)"
+
+
+# ---------------------------------------------------------------------- the greedy pick
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_picks_what_torch_argmax_picks(dtype):
+    """Random rows with and without a 16-value tail, ties (the first), rows of -inf, NaNs (the first NaN, as
+    torch.argmax), +inf, rows of a wider tensor; and greedy_tokens takes it once the operators are loaded."""
+    from model.generate import greedy_tokens
+
+    g = torch.Generator().manual_seed(7)
+    cases = [torch.randn(rows, n, generator=g) for rows, n in ((1, 49152), (16, 4099), (3, 7), (2, 1))]
+    cases.append(torch.randint(0, 3, (4, 1000), generator=g).float())  # many ties
+    cases.append(torch.full((2, 40), float("-inf")))
+    special = torch.randn(3, 100, generator=g)
+    special[1, 37] = special[1, 80] = float("nan")
+    special[2, 5] = float("inf")
+    cases.append(special)
+    cases.append(torch.randn(5, 300, generator=g)[:, 50:250])  # rows 300 apart
+    assert dot_bf16.loaded()
+    for logits in cases:
+        logits = logits.to(dtype)
+        assert torch.equal(dot_bf16.argmax_rows(logits), logits.argmax(-1))
+        assert torch.equal(greedy_tokens(logits[:, None]), logits.argmax(-1)[:, None])  # (rows, 1, vocab)
