@@ -215,7 +215,8 @@ def test_bad_groups_get_errors_that_name_the_problem():
 def test_a_compiled_bfloat16_step_of_several_rows_calls_the_amx_operators(monkeypatch):
     """Three rows through the several-rows graph: its projections and its grouped experts take the operators
     (where this machine has AMX tiles), and its logits hold to the eager steps' rounding and to the same graph
-    on the library GEMMs (the reference they replace)."""
+    on the library GEMMs (the reference they replace). Then five rows run the same graph (the row count stays
+    dynamic through the operators' shapes)."""
     if not dot_bf16.rows_available():
         pytest.skip(f"AMX operators unavailable: {dot_bf16.rows_unavailable_reason()}")
     model = _model({}).to(torch.bfloat16)
@@ -238,6 +239,12 @@ def test_a_compiled_bfloat16_step_of_several_rows_calls_the_amx_operators(monkey
         assert (fast - ref).abs().max().item() <= 2e-2
         assert (fast - library).abs().max().item() <= 2e-2
         out = model(tok, cache=out.cache)
+    ids = _ids(10, seed=12, rows=5)
+    out = model(ids[:, :8], use_cache=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        fast = plan(ids[:, 8:9], clone_cache(out.cache)).logits.float()
+    ref = eager(ids[:, 8:9], clone_cache(out.cache)).logits.float()
+    assert (fast - ref).abs().max().item() <= 2e-2
 
 
 def test_the_amx_switch_says_why_it_is_off(monkeypatch):
