@@ -9,7 +9,9 @@ shapes, at 2-64 rows, alternating in every round:
 - ``cold``: as many distinct weights as fill ~400 MB, each multiplied once per pass (every one from memory).
 
 Prints each case's median time, the weight bytes read per second and linear / operator (above 1: the operator
-is faster). Also the GEMV read bandwidth of the machine measured in the same run (bench_budget_decode's)::
+is faster); then the greedy pick over the family's 49,152-token vocabulary at 1 and 16 rows: torch's argmax
+(bfloat16 cast to float32 first, as ``greedy_tokens`` did) against ``star_elastic::argmax_rows``. Also the
+GEMV read bandwidth of the machine measured in the same run (bench_budget_decode's)::
 
     python benchmarks/bench_gemm_bf16.py --threads 2 --json runs/bench_gemm_bf16.json
 """
@@ -82,6 +84,26 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows_out
 
 
+def greedy_picks(rounds: int, vocab: int = 49152) -> list[dict[str, Any]]:
+    """Median microseconds of torch's argmax and of the operator over (rows, vocab) logits, alternating."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 16):
+            logits = torch.randn(rows, vocab).to(dtype)
+            cases = {"torch": lambda t=logits: (t.float() if t.dtype == torch.bfloat16 else t).argmax(-1),
+                     "operator": lambda t=logits: dot_bf16.argmax_rows(t)}  # fmt: skip
+            ts: dict[str, list[float]] = {name: [] for name in cases}
+            for _ in range(rounds * 20):
+                for name, fn in cases.items():
+                    start = time.perf_counter()
+                    fn()
+                    ts[name].append(time.perf_counter() - start)
+            torch_us, op_us = (statistics.median(ts[k]) * 1e6 for k in ("torch", "operator"))
+            out.append({"dtype": str(dtype).removeprefix("torch."), "rows": rows, "torch_us": torch_us,
+                        "operator_us": op_us})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -107,11 +129,15 @@ def main(argv: list[str] | None = None) -> int:
              f"{r['linear_gbs']:.1f}", f"{r['operator_us']:.1f}", f"{r['operator_gbs']:.1f}",
              f"{r['linear_over_operator']:.2f}"] for r in results]  # fmt: skip
     print(format_table(headers, body))
+    picks = greedy_picks(args.rounds)
+    print(format_table(["logits", "rows", "torch argmax us", "operator us", "torch / operator"],
+                       [[p["dtype"], p["rows"], f"{p['torch_us']:.1f}", f"{p['operator_us']:.1f}",
+                         f"{p['torch_us'] / p['operator_us']:.1f}"] for p in picks]))  # fmt: skip
     end = os.getloadavg()[0]
     print(f"load average at the end {end:.2f} (with this benchmark's own threads)")
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "load_end": end,
-                              "bandwidth": bw, "amx": amx, "rows": results})  # fmt: skip
+                              "bandwidth": bw, "amx": amx, "rows": results, "greedy_picks": picks})  # fmt: skip
     return 0
 
 

@@ -56,51 +56,6 @@ bool supported() {
 #ifdef STAR_ELASTIC_X86
 #define STAR_ELASTIC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-// Dot products of ROWS weight rows (row_stride apart) with x over n bfloat16 values; the accumulators are
-// separate variables (an array indexed at run time would live in memory).
-template <int ROWS>
-STAR_ELASTIC_BF16_TARGET inline void dot_rows_fixed(const uint16_t* x, const uint16_t* w, int64_t row_stride,
-                                                    int64_t n, float* out, const uint16_t* ahead) {
-  if (ahead != nullptr) {  // ROWS rows from `ahead` on, one prefetch per 64-byte line
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const char* row = reinterpret_cast<const char*>(ahead + r * row_stride);
-      for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
-  }
-  __m512 acc[ROWS];
-#pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * row_stride + k), xv);
-    }
-  }
-  if (k < n) {  // the tail: masked loads read zeros past the end
-    const __mmask32 mask = (__mmask32)((1ULL << (n - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * row_stride + k), xv);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
-STAR_ELASTIC_BF16_TARGET void dot_rows(const uint16_t* x, const uint16_t* w, int64_t row_stride, int64_t rows,
-                                       int64_t n, float* out, const uint16_t* ahead) {
-  switch (rows) {
-    case 4: return dot_rows_fixed<4>(x, w, row_stride, n, out, ahead);
-    case 3: return dot_rows_fixed<3>(x, w, row_stride, n, out, ahead);
-    case 2: return dot_rows_fixed<2>(x, w, row_stride, n, out, ahead);
-    default: return dot_rows_fixed<1>(x, w, row_stride, n, out, ahead);
-  }
-}
-
 // Dot products of ROWS weight rows with XR rows of x (x_stride apart): out[i * x_step + r * row_step] for x row
 // i and weight row r. Each chunk of ROWS weight vectors is loaded once for the XR rows (ROWS * XR accumulators).
 template <int ROWS, int XR>
@@ -176,9 +131,6 @@ STAR_ELASTIC_BF16_TARGET void dot_block(const uint16_t* x, int64_t x_stride, int
   }
 }
 #else
-void dot_rows(const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*, const uint16_t*) {
-  TORCH_CHECK(false, "gemv_bf16: this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
-}
 void dot_block(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
                int64_t, const uint16_t*) {
   TORCH_CHECK(false, "gemm_bf16: this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
@@ -218,7 +170,7 @@ void run_tasks(int64_t tasks, int64_t row_stride, int64_t n, MakeTask task) {
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const Task job = task(t);
-      dot_rows(job.x, job.w, row_stride, job.rows, n, job.out, job.ahead);
+      dot_block(job.x, 0, 1, job.w, row_stride, job.rows, n, job.out, 0, 1, job.ahead);  // one x row
     }
   });
 }
