@@ -146,6 +146,10 @@ def _patch(name: str) -> None:
         from model.decode import dot_bf16
 
         os.environ[dot_bf16.ROWS_SWITCH_ENV] = "0"
+    elif name == "no_f32_rows":  # with 'compiled': several-rows float32 projections through the library GEMMs
+        from model.decode import dot_bf16
+
+        os.environ[dot_bf16.F32_ROWS_SWITCH_ENV] = "0"
     elif name == "no_argmax_op":  # greedy picks by torch's argmax (float32 for half precision), not the operator
         from model.decode import dot_bf16
 
@@ -181,6 +185,8 @@ VARIANTS = {
     "no_dot_prefetch": "with 'compiled': the bfloat16 dot-product operators without the prefetch of the rows ahead",
     "no_amx": "with 'compiled': several-rows bfloat16 projections and grouped experts through the library GEMMs, "
     "not the AMX operators (model/decode/dot_bf16.py)",
+    "no_f32_rows": "with 'compiled': several-rows float32 projections through the library GEMMs and the routed "
+    "experts through the dense pass over every expert, not the float32 operators (model/decode/dot_bf16.py)",
     "no_argmax_op": "greedy picks by torch's argmax (half precision cast to float32 first), not the vectorised "
     "operator (model.decode.dot_bf16.argmax_rows)",
     "plain_argmax": "greedy picks by argmax on the logits in their own dtype (no float32 cast of half precision)",

@@ -93,6 +93,7 @@ def compiled_step() -> Callable[..., Any]:
         dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 16 * RECOMPILE_LIMIT)
         step_functions.DOT_BF16 = dot_bf16.available()
         step_functions.AMX_BF16 = dot_bf16.rows_available()
+        step_functions.F32_ROWS = dot_bf16.f32_rows_available()
         _COMPILED = torch.compile(step_function, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
     return _COMPILED
 

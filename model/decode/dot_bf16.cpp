@@ -11,6 +11,7 @@
 //   gemv_bf16_gather(x (k, in), w (E, out, in), idx (k,) int64) -> (k, out) float32, row j by w[idx[j]]
 //   gemm_bf16(x (m, in), w (out, in)) -> (m, out) float32
 //   gemm_bf16_grouped(x (T, in), w (E, out, in), offs (E,) int32) -> (T, out) float32, rows by expert
+//   gemm_f32(x (m, in), w (out, in)) / gemm_f32_grouped(...): the same for float32 (fused multiply-adds)
 //   argmax_rows(logits (rows, vocab) float32 / bfloat16) -> (rows,) int64, torch.argmax's pick (greedy decoding)
 //
 // Weights need a contiguous last dimension (any row stride); x's rows too (row stride 0 broadcasts one row).
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -99,10 +101,53 @@ STAR_ELASTIC_BF16_TARGET inline void dot_tile(const uint16_t* x, int64_t x_strid
   }
 }
 
-template <int ROWS>
-STAR_ELASTIC_BF16_TARGET void dot_rows_tiles(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* w,
-                                             int64_t row_stride, int64_t n, float* out, int64_t x_step,
-                                             int64_t row_step) {
+// The same tiles for float32 weights and rows (several-rows float32 projections): a fused multiply-add of 16
+// values per instruction, each output one 16-lane accumulator summed at the end, so an output does not depend
+// on how many rows are computed beside it.
+template <int ROWS, int XR>
+STAR_ELASTIC_BF16_TARGET inline void dot_tile(const float* x, int64_t x_stride, const float* w, int64_t row_stride,
+                                              int64_t n, float* out, int64_t x_step, int64_t row_step) {
+  __m512 acc[ROWS][XR];
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 4
+    for (int i = 0; i < XR; ++i) acc[r][i] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    __m512 wv[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) wv[r] = _mm512_loadu_ps(w + r * row_stride + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < XR; ++i) {
+      const __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+    }
+  }
+  if (k < n) {
+    const __mmask16 mask = (__mmask16)((1u << (n - k)) - 1);
+    __m512 wv[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + r * row_stride + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < XR; ++i) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * x_stride + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < ROWS; ++r) {
+#pragma GCC unroll 4
+    for (int i = 0; i < XR; ++i) out[i * x_step + r * row_step] = _mm512_reduce_add_ps(acc[r][i]);
+  }
+}
+
+template <int ROWS, typename T>
+STAR_ELASTIC_BF16_TARGET void dot_rows_tiles(const T* x, int64_t x_stride, int64_t m, const T* w,
+                                               int64_t row_stride, int64_t n, float* out, int64_t x_step,
+                                               int64_t row_step) {
   int64_t i = 0;
   for (; i + 4 <= m; i += 4) dot_tile<ROWS, 4>(x + i * x_stride, x_stride, w, row_stride, n, out + i * x_step, x_step, row_step);
   switch (m - i) {
@@ -130,21 +175,43 @@ STAR_ELASTIC_BF16_TARGET void dot_block(const uint16_t* x, int64_t x_stride, int
     default: return dot_rows_tiles<1>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
   }
 }
+
+STAR_ELASTIC_BF16_TARGET void dot_block(const float* x, int64_t x_stride, int64_t m, const float* w,
+                                        int64_t row_stride, int64_t rows, int64_t n, float* out, int64_t x_step,
+                                        int64_t row_step, const float* ahead) {
+  if (ahead != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const char* row = reinterpret_cast<const char*>(ahead + r * row_stride);
+      for (int64_t b = 0; b < n * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+  }
+  switch (rows) {
+    case 4: return dot_rows_tiles<4>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
+    case 3: return dot_rows_tiles<3>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
+    case 2: return dot_rows_tiles<2>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
+    default: return dot_rows_tiles<1>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
+  }
+}
 #else
 void dot_block(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
                int64_t, const uint16_t*) {
   TORCH_CHECK(false, "gemm_bf16: this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
 }
+void dot_block(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, int64_t,
+               const float*) {
+  TORCH_CHECK(false, "gemm_f32: this CPU has no AVX-512");
+}
 #endif
 
-void check_operands(const at::Tensor& x, const at::Tensor& w, int64_t dims) {
-  TORCH_CHECK(supported(), "gemv_bf16: this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_bf16: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "gemv_bf16: x and w must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(w.dim() == dims, "gemv_bf16: w must have ", dims, " dimensions, got ", w.sizes());
-  TORCH_CHECK(w.stride(-1) == 1 && x.stride(-1) == 1, "gemv_bf16: the last dimension of x and w must be contiguous");
-  TORCH_CHECK(x.size(-1) == w.size(-1), "gemv_bf16: x has ", x.size(-1), " inputs, w ", w.size(-1));
+void check_operands(const at::Tensor& x, const at::Tensor& w, int64_t dims, at::ScalarType dtype = at::kBFloat16,
+                    const char* op = "gemv_bf16") {
+  TORCH_CHECK(supported(), op, ": this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == dtype && w.scalar_type() == dtype, op, ": x and w must be ",
+              dtype == at::kFloat ? "float32" : "bfloat16", ", got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(w.dim() == dims, op, ": w must have ", dims, " dimensions, got ", w.sizes());
+  TORCH_CHECK(w.stride(-1) == 1 && x.stride(-1) == 1, op, ": the last dimension of x and w must be contiguous");
+  TORCH_CHECK(x.size(-1) == w.size(-1), op, ": x has ", x.size(-1), " inputs, w ", w.size(-1));
 }
 
 // One task: up to kRowsPerTask consecutive rows of one weight matrix against one x.
@@ -157,7 +224,8 @@ struct Task {
 };
 
 // The rows kPrefetchRows after row `first` of a matrix of `out_rows` rows at `w`, when they are all in it.
-const uint16_t* rows_ahead(const uint16_t* w, int64_t first, int64_t rows, int64_t out_rows, int64_t row_stride) {
+template <typename T>
+const T* rows_ahead(const T* w, int64_t first, int64_t rows, int64_t out_rows, int64_t row_stride) {
   const int64_t next = first + kPrefetchRows;
   return prefetch_on.load(std::memory_order_relaxed) && next + rows <= out_rows ? w + next * row_stride : nullptr;
 }
@@ -350,12 +418,16 @@ void amx_block(const uint32_t*, int64_t, const uint16_t*, int64_t, int64_t, floa
 #endif
 
 // Every group's rows by its matrix: out (x rows, out_rows) float32. Jobs are (group, 32-row AMX block or 4-row
-// dot-product block), ordered so that consecutive jobs of one thread read one weight block.
-void rows_by_groups(const uint16_t* xp, int64_t x_stride, std::vector<RowGroup>& groups, const uint16_t* wp,
+// dot-product block), ordered so that consecutive jobs of one thread read one weight block. T is uint16_t
+// (bfloat16: AMX where it runs) or float (the float32 dot-product tiles only).
+template <typename T>
+void rows_by_groups(const T* xp, int64_t x_stride, std::vector<RowGroup>& groups, const T* wp,
                     int64_t matrix_stride, int64_t row_stride, int64_t out_rows, int64_t n, float* op) {
-  const bool amx = amx_on.load(std::memory_order_relaxed) && amx_supported() && n % 32 == 0;
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  const bool amx = kBf16 && amx_on.load(std::memory_order_relaxed) && amx_supported() && n % 32 == 0;
   std::vector<uint32_t> packs;
-  if (amx) {
+  if constexpr (kBf16) {
+   if (amx) {
     int64_t words = 0;
     for (const RowGroup& g : groups) words += g.count * (n / 2);
     packs.resize(words);
@@ -365,6 +437,7 @@ void rows_by_groups(const uint16_t* xp, int64_t x_stride, std::vector<RowGroup>&
       g.pack = reinterpret_cast<const uint16_t*>(packs.data() + at);
       at += g.count * (n / 2);
     }
+   }
   }
   struct Job {
     int64_t group, first, rows;
@@ -386,21 +459,26 @@ void rows_by_groups(const uint16_t* xp, int64_t x_stride, std::vector<RowGroup>&
     g0 = g1;
   }
   const bool prefetch = prefetch_on.load(std::memory_order_relaxed);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kAmxRows * n));
+  const int64_t job_bytes = (amx ? kAmxRows : kRowsPerTask) * n * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, job_bytes));
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), grain, [&](int64_t begin, int64_t end) {
     TileScope tiles(amx);
     for (int64_t i = begin; i < end; ++i) {
       const Job& job = jobs[i];
       const RowGroup& g = groups[job.group];
-      const uint16_t* matrix = wp + g.matrix * matrix_stride;
+      const T* matrix = wp + g.matrix * matrix_stride;
       float* out = op + g.start * out_rows + job.first;
-      if (job.rows == kAmxRows && amx) {
-        const int64_t next = job.first + kAmxRows;
-        const uint16_t* ahead = prefetch && next + kAmxRows <= amx_rows ? matrix + next * row_stride : nullptr;
-        tiles.set(g.count);
-        amx_block(reinterpret_cast<const uint32_t*>(g.pack), g.count, matrix + job.first * row_stride, row_stride,
-                  n, out, out_rows, ahead);
-      } else {
+      if constexpr (kBf16) {
+        if (job.rows == kAmxRows && amx) {
+          const int64_t next = job.first + kAmxRows;
+          const uint16_t* ahead = prefetch && next + kAmxRows <= amx_rows ? matrix + next * row_stride : nullptr;
+          tiles.set(g.count);
+          amx_block(reinterpret_cast<const uint32_t*>(g.pack), g.count, matrix + job.first * row_stride,
+                    row_stride, n, out, out_rows, ahead);
+          continue;
+        }
+      }
+      {
         dot_block(xp + g.start * x_stride, x_stride, g.count, matrix + job.first * row_stride, row_stride, job.rows,
                   n, out, out_rows, 1, rows_ahead(matrix, job.first, job.rows, out_rows, row_stride));
       }
@@ -408,17 +486,18 @@ void rows_by_groups(const uint16_t* xp, int64_t x_stride, std::vector<RowGroup>&
   });
 }
 
-// Several rows: x (m, in) by w (out, in) -> (m, out) float32.
-at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
-  check_operands(x, w, 2);
-  TORCH_CHECK(x.dim() == 2, "gemm_bf16: x must be (rows, in), got ", x.sizes());
+// Several rows: x (m, in) by w (out, in) -> (m, out) float32; T is uint16_t (bfloat16) or float.
+template <typename T>
+at::Tensor gemm_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType dtype, const char* op) {
+  check_operands(x, w, 2, dtype, op);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be (rows, in), got ", x.sizes());
   const int64_t m = x.size(0), out_rows = w.size(0), n = w.size(1);
   at::Tensor out = at::empty({m, out_rows}, x.options().dtype(at::kFloat));
   if (m > 0 && out_rows > 0) {
     std::vector<RowGroup> groups;
     for (int64_t s = 0; s < m; s += kAmxX) groups.push_back({s, std::min(kAmxX, m - s), 0, nullptr});
-    rows_by_groups(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), groups,
-                   reinterpret_cast<const uint16_t*>(w.const_data_ptr()), 0, w.stride(0), out_rows, n,
+    rows_by_groups(reinterpret_cast<const T*>(x.const_data_ptr()), x.stride(0), groups,
+                   reinterpret_cast<const T*>(w.const_data_ptr()), 0, w.stride(0), out_rows, n,
                    out.data_ptr<float>());
   }
   return out;
@@ -427,20 +506,22 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
 // Rows grouped by expert, as F.grouped_mm takes them: x (T, in), w (E, out, in), offs (E,) int32 cumulative row
 // counts (expert e takes rows offs[e-1] .. offs[e]) -> (T, out) float32; rows past offs[E-1] are zeros.
 // Experts with no rows are not read.
-at::Tensor gemm_bf16_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
-  check_operands(x, w, 3);
-  TORCH_CHECK(x.dim() == 2, "gemm_bf16_grouped: x must be (rows, in), got ", x.sizes());
-  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == w.size(0), "gemm_bf16_grouped: offs must be (E,) = (",
-              w.size(0), ",), got ", offs.sizes());
-  TORCH_CHECK(offs.scalar_type() == at::kInt, "gemm_bf16_grouped: offs must be int32, got ", offs.scalar_type());
+template <typename T>
+at::Tensor gemm_rows_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs, at::ScalarType dtype,
+                             const char* op) {
+  check_operands(x, w, 3, dtype, op);
+  TORCH_CHECK(x.dim() == 2, op, ": x must be (rows, in), got ", x.sizes());
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == w.size(0), op, ": offs must be (E,) = (", w.size(0), ",), got ",
+              offs.sizes());
+  TORCH_CHECK(offs.scalar_type() == at::kInt, op, ": offs must be int32, got ", offs.scalar_type());
   const int64_t t_rows = x.size(0), experts = w.size(0), out_rows = w.size(1), n = w.size(2);
   const at::Tensor offs_c = offs.contiguous();
   const int32_t* ends = offs_c.const_data_ptr<int32_t>();
   std::vector<RowGroup> groups;
   int64_t start = 0;
   for (int64_t e = 0; e < experts; ++e) {
-    TORCH_CHECK(ends[e] >= start && ends[e] <= t_rows, "gemm_bf16_grouped: offs must rise from 0 to at most ",
-                t_rows, " rows, got ", ends[e], " after ", start, " at expert ", e);
+    TORCH_CHECK(ends[e] >= start && ends[e] <= t_rows, op, ": offs must rise from 0 to at most ", t_rows,
+                " rows, got ", ends[e], " after ", start, " at expert ", e);
     for (int64_t s = start; s < ends[e]; s += kAmxX) {
       groups.push_back({s, std::min<int64_t>(kAmxX, ends[e] - s), e, nullptr});
     }
@@ -449,11 +530,25 @@ at::Tensor gemm_bf16_grouped(const at::Tensor& x, const at::Tensor& w, const at:
   at::Tensor out = at::empty({t_rows, out_rows}, x.options().dtype(at::kFloat));
   if (start < t_rows) out.narrow(0, start, t_rows - start).zero_();
   if (!groups.empty() && out_rows > 0) {
-    rows_by_groups(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), groups,
-                   reinterpret_cast<const uint16_t*>(w.const_data_ptr()), w.stride(0), w.stride(1), out_rows, n,
+    rows_by_groups(reinterpret_cast<const T*>(x.const_data_ptr()), x.stride(0), groups,
+                   reinterpret_cast<const T*>(w.const_data_ptr()), w.stride(0), w.stride(1), out_rows, n,
                    out.data_ptr<float>());
   }
   return out;
+}
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& w) {
+  return gemm_rows<uint16_t>(x, w, at::kBFloat16, "gemm_bf16");
+}
+
+at::Tensor gemm_bf16_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
+  return gemm_rows_grouped<uint16_t>(x, w, offs, at::kBFloat16, "gemm_bf16_grouped");
+}
+
+at::Tensor gemm_f32(const at::Tensor& x, const at::Tensor& w) { return gemm_rows<float>(x, w, at::kFloat, "gemm_f32"); }
+
+at::Tensor gemm_f32_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
+  return gemm_rows_grouped<float>(x, w, offs, at::kFloat, "gemm_f32_grouped");
 }
 
 // ---------------------------------------------------------------------------------------------- greedy pick
@@ -540,6 +635,8 @@ TORCH_LIBRARY(star_elastic, m) {
   m.def("gemv_bf16_gather(Tensor x, Tensor w, Tensor idx) -> Tensor");
   m.def("gemm_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemm_bf16_grouped(Tensor x, Tensor w, Tensor offs) -> Tensor");
+  m.def("gemm_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("gemm_f32_grouped(Tensor x, Tensor w, Tensor offs) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("dot_bf16_supported() -> bool", &dot_bf16_supported);
   m.def("dot_bf16_prefetch(bool on) -> bool", &dot_bf16_prefetch);
@@ -552,5 +649,7 @@ TORCH_LIBRARY_IMPL(star_elastic, CPU, m) {
   m.impl("gemv_bf16_gather", &gemv_bf16_gather);
   m.impl("gemm_bf16", &gemm_bf16);
   m.impl("gemm_bf16_grouped", &gemm_bf16_grouped);
+  m.impl("gemm_f32", &gemm_f32);
+  m.impl("gemm_f32_grouped", &gemm_f32_grouped);
   m.impl("argmax_rows", &argmax_rows);
 }

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SWITCH_ENV = "STAR_ELASTIC_DOT_BF16"
 ROWS_SWITCH_ENV = "STAR_ELASTIC_AMX_BF16"
+F32_ROWS_SWITCH_ENV = "STAR_ELASTIC_F32_ROWS"
 SOURCE = Path(__file__).with_name("dot_bf16.cpp")
 
 _lock = threading.Lock()
@@ -106,6 +107,14 @@ def _register_fakes() -> None:
     def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
         return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
 
+    @torch.library.register_fake("star_elastic::gemm_f32")
+    def _(x: Tensor, w: Tensor) -> Tensor:
+        return w.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("star_elastic::gemm_f32_grouped")
+    def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        return w.new_empty((x.shape[0], w.shape[1]), dtype=torch.float32)
+
     @torch.library.register_fake("star_elastic::argmax_rows")
     def _(logits: Tensor) -> Tensor:
         return logits.new_empty((logits.shape[0],), dtype=torch.long)
@@ -153,6 +162,22 @@ def rows_unavailable_reason() -> str | None:
     return None
 
 
+def f32_rows_available() -> bool:
+    """Whether float32 projections of several rows take the float32 operators (:func:`gemm_f32`,
+    :func:`gemm_f32_grouped`): the operators run here (:func:`available`) and ``STAR_ELASTIC_F32_ROWS`` is not
+    ``0``."""
+    return available() and os.environ.get(F32_ROWS_SWITCH_ENV, "1") != "0"
+
+
+def f32_rows_unavailable_reason() -> str | None:
+    """Why :func:`f32_rows_available` is False, or None when it is True."""
+    if not available():
+        return unavailable_reason()
+    if os.environ.get(F32_ROWS_SWITCH_ENV, "1") == "0":
+        return f"switched off ({F32_ROWS_SWITCH_ENV}=0)"
+    return None
+
+
 def set_prefetch(on: bool) -> bool:
     """Whether each task of the operators prefetches the rows two tasks ahead (on by default: weights that come
     from memory stream faster so, ones already in the cache a little slower); returns the previous setting."""
@@ -192,3 +217,15 @@ def gemm_grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     for rows ``offs[e-1]:offs[e]`` (offs (E,) int32, cumulative) -> (T, out) float32, rows past ``offs[-1]``
     zero; experts with no rows are not read."""
     return torch.ops.star_elastic.gemm_bf16_grouped(x.to(torch.bfloat16), w, offs)
+
+
+def gemm_f32(x: Tensor, w: Tensor) -> Tensor:
+    """x (rows, in), w (out, in) float32 -> (rows, out) float32: dot products of 4 weight rows by 4 rows of x
+    at a time on fused multiply-adds (each output one 16-lane float32 sum, whatever rows are beside it)."""
+    return torch.ops.star_elastic.gemm_f32(x.to(torch.float32), w)
+
+
+def gemm_f32_grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """:func:`gemm_grouped` for float32: rows of x (T, in) grouped by expert of w (E, out, in) float32 (offs (E,)
+    int32, cumulative) -> (T, out) float32, rows past ``offs[-1]`` zero; experts with no rows are not read."""
+    return torch.ops.star_elastic.gemm_f32_grouped(x.to(torch.float32), w, offs)

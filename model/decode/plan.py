@@ -148,15 +148,19 @@ class DecodePlan:
             + ("kept" if on else "slower, eager kept")
             for name, ms, on in parts
         )
-        dot = getattr(getattr(self.lm_head, "weight", None), "dtype", None) == torch.bfloat16
-        gemv = (
-            ""
-            if not dot
-            else ", bfloat16 dot-product GEMV "
-            + ("on" if step_functions.DOT_BF16 else f"off: {dot_bf16.unavailable_reason() or 'not built'}")
-            + ", AMX GEMM of several rows "
-            + ("on" if step_functions.AMX_BF16 else f"off: {dot_bf16.rows_unavailable_reason() or 'not built'}")
-        )
+        dtype = getattr(getattr(self.lm_head, "weight", None), "dtype", None)
+        gemv = ""
+        if dtype == torch.bfloat16:
+            gemv = (
+                ", bfloat16 dot-product GEMV "
+                + ("on" if step_functions.DOT_BF16 else f"off: {dot_bf16.unavailable_reason() or 'not built'}")
+                + ", AMX GEMM of several rows "
+                + ("on" if step_functions.AMX_BF16 else f"off: {dot_bf16.rows_unavailable_reason() or 'not built'}")
+            )
+        elif dtype == torch.float32:
+            gemv = ", float32 GEMM of several rows " + (
+                "on" if step_functions.F32_ROWS else f"off: {dot_bf16.f32_rows_unavailable_reason() or 'not built'}"
+            )
         return f"{verdicts} (compiled in {self.compile_seconds:.1f}s, {copies:.1f} MiB of copies{gemv})"
 
     def stale(self) -> bool:

@@ -9,10 +9,10 @@ One row (the latency case) and several rows are traced apart (a graph's row coun
 at least 2). One row: projections are written as dot products (:func:`gemv`), which inductor generates as
 vectorised loops streaming the weight once, and a token's routed experts are chosen on the device (``topk``,
 the selected experts' weights read through their indices inside the loops). Several rows: projections are
-GEMMs (the AMX operators of :mod:`model.decode.dot_bf16` for bfloat16 weights where the CPU has AMX, the
-library kernel otherwise: each reads a weight once for all rows) and the routed experts take the grouped
-path or the dense pass (:func:`moe_rows`), so that the norms, the conv
-and SSM updates, the routing and the attention around them fuse into a few loops. Nothing reads a value
+GEMMs (the AMX operators of :mod:`model.decode.dot_bf16` for bfloat16 weights where the CPU has AMX, its
+float32 operators for float32 weights, the library kernel otherwise: each reads a weight once for all rows)
+and the routed experts take the grouped path or the dense pass (:func:`moe_rows`), so that the norms, the
+conv and SSM updates, the routing and the attention around them fuse into a few loops. Nothing reads a value
 back to the host: the whole of :func:`step` is one graph.
 """
 
@@ -41,6 +41,12 @@ AMX_BF16 = False
 (:func:`model.decode.dot_bf16.gemm` / :func:`~model.decode.dot_bf16.gemm_grouped`) rather than the library
 GEMMs; set with :data:`DOT_BF16` (:func:`model.decode.dot_bf16.rows_available`)."""
 
+F32_ROWS = False
+"""Whether float32 projections of several rows (and the grouped routed experts) take the float32 operators
+(:func:`model.decode.dot_bf16.gemm_f32` / :func:`~model.decode.dot_bf16.gemm_f32_grouped`) rather than the
+library GEMMs (and the dense pass over every expert); set with :data:`DOT_BF16`
+(:func:`model.decode.dot_bf16.f32_rows_available`)."""
+
 Projection = tuple[str, list[Tensor], list[Tensor | None]]
 """What a compiled step multiplies by for one projection: ``("one", [weight], [bias])``; ``("rows", runs,
 biases)`` for a budget's row runs of a parent weight (outputs concatenated); ``("cols", runs, [bias])`` for
@@ -58,6 +64,12 @@ def amx_weight(w: Tensor) -> bool:
     """Whether a several-rows projection by ``w`` takes the AMX operators (:data:`AMX_BF16`, a bfloat16 CPU weight
     with a contiguous last dimension)."""
     return AMX_BF16 and dot_bf16_weight(w)
+
+
+def f32_rows_weight(w: Tensor) -> bool:
+    """Whether a several-rows projection by ``w`` takes the float32 operators (:data:`F32_ROWS`, a float32 CPU
+    weight with a contiguous last dimension)."""
+    return F32_ROWS and w.dtype == F32 and w.device.type == "cpu" and w.stride(-1) == 1
 
 
 def gemv(x: Tensor, w: Tensor) -> Tensor:
@@ -101,14 +113,16 @@ def project(x: Tensor, p: Projection, residual: Tensor | None = None) -> Tensor:
     """``linear(x) (+ residual)`` as the eager step computes it: x (rows, in) -> (rows, out) in the weight's
     dtype, accumulated in float32; a residual of that dtype is added before the one rounding (the eager GEMM's
     addend), one of another dtype (a float32 residual stream) after it, promoted. One row: dot products
-    (:func:`gemv`); several rows: the AMX operators for bfloat16 weights (:func:`amx_weight`), otherwise the
-    library GEMMs (:func:`project_rows`)."""
+    (:func:`gemv`); several rows: the AMX operators for bfloat16 weights (:func:`amx_weight`), the float32
+    operators for float32 ones (:func:`f32_rows_weight`), otherwise the library GEMMs (:func:`project_rows`)."""
     form, weights, biases = p
     dtype = weights[0].dtype
     if x.shape[0] == 1:
         xf, mul = x.view(-1).to(dtype).to(F32), gemv  # (in,) and (in,) -> (out,) products
     elif all(amx_weight(w) for w in weights):
         xf, mul = x.to(dtype), dot_bf16.gemm  # (rows, in) -> (rows, out)
+    elif all(f32_rows_weight(w) for w in weights):
+        xf, mul = x.to(F32), dot_bf16.gemm_f32  # (rows, in) -> (rows, out)
     else:
         return project_rows(x, p, residual)
     if form == "rows":
@@ -235,13 +249,14 @@ def moe_rows(
 ) -> Tensor:
     """The routed experts of several tokens: h (rows, hidden) normed tokens, base (rows, hidden) -> base +
     routed experts. The router of :class:`~model.moe.TopKRouter` (:func:`~model.moe.router_scores`,
-    :func:`~model.moe.route`); half-precision experts take the grouped path (:func:`moe_grouped_rows`), float32
-    ones the dense pass (:func:`~model.moe.dense_experts`): the grouped GEMM's shape function, which tracing
-    runs, takes bfloat16 / float16 only."""
+    :func:`~model.moe.route`); half-precision experts take the grouped path (:func:`moe_grouped_rows`), and so
+    do float32 ones where the float32 operators run (:func:`f32_rows_weight`); other float32 experts the dense
+    pass (:func:`~model.moe.dense_experts`): the library grouped GEMM's shape function, which tracing runs,
+    takes bfloat16 / float16 only."""
     top_k, renormalise, scaling = routing
     scores = router_scores(h, gate)  # (rows, E)
     idx, w = route(scores, score_bias, top_k, renormalise, scaling, in_order=False)  # (rows, k)
-    if up.dtype in (torch.bfloat16, torch.float16):
+    if up.dtype in (torch.bfloat16, torch.float16) or (f32_rows_weight(up) and f32_rows_weight(down)):
         return moe_grouped_rows(h, base, idx, w, up, down)
     return dense_experts(h.to(up.dtype), idx, w, up, down, base)
 
@@ -264,6 +279,9 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     if amx_weight(up) and amx_weight(down):  # the AMX operators (float32 out, rounded as the GEMM rounds)
         act = torch.relu(dot_bf16.gemm_grouped(hs, up, offs).to(up.dtype)).square()  # (rows * k, F)
         ys = dot_bf16.gemm_grouped(act, down, offs).to(up.dtype)  # (rows * k, hidden)
+    elif f32_rows_weight(up) and f32_rows_weight(down):  # the float32 operators
+        act = torch.relu(dot_bf16.gemm_f32_grouped(hs, up, offs)).square()  # (rows * k, F)
+        ys = dot_bf16.gemm_f32_grouped(act, down, offs)  # (rows * k, hidden)
     else:
         act = torch.relu(F.grouped_mm(hs, up.transpose(1, 2), offs=offs)).square()
         ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)

@@ -253,6 +253,92 @@ def test_the_amx_switch_says_why_it_is_off(monkeypatch):
     assert dot_bf16.rows_unavailable_reason() == f"switched off ({dot_bf16.ROWS_SWITCH_ENV}=0)"
 
 
+# ---------------------------------------------------------------------- several rows, float32
+@pytest.mark.parametrize("rows, out, inputs", [(2, 64, 512), (16, 1288, 768), (5, 70, 96), (17, 41, 100), (40, 9, 17)])
+def test_gemm_f32_equals_float64_dot_products(rows, out, inputs):
+    """Four-row weight blocks and their tails, four-row x blocks and their tails, inputs with and without a
+    16-value tail, one and several 16-row groups of x."""
+    g = torch.Generator().manual_seed(rows * out + inputs)
+    w = torch.randn(out, inputs, generator=g)
+    x = torch.randn(rows, inputs, generator=g)
+    got = dot_bf16.gemm_f32(x, w)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    assert _close(got, x.double() @ w.double().t(), inputs)
+
+
+def test_gemm_f32_rows_do_not_depend_on_the_rows_beside_them():
+    """Each output is one sum in a fixed order: a row computed alone, or among 3 or 21 others, is the same bits
+    (a batch's row decodes as it would alone)."""
+    g = torch.Generator().manual_seed(8)
+    parent = torch.randn(200, 1024, generator=g)
+    w = parent[:130, 64:704]  # a budget's view: rows 1024 apart
+    x = torch.randn(22, 640, generator=g)
+    full = dot_bf16.gemm_f32(x, w)
+    assert _close(full, x.double() @ w.double().t(), 640)
+    for rows in (x[5:6], x[3:7], x[1:22]):
+        start = int((rows.data_ptr() - x.data_ptr()) // (4 * 640))
+        assert torch.equal(dot_bf16.gemm_f32(rows, w), full[start : start + rows.shape[0]])
+
+
+def test_gemm_f32_grouped_takes_each_experts_rows_by_their_offsets():
+    g = torch.Generator().manual_seed(9)
+    parent = torch.randn(5, 120, 200, generator=g)
+    for w in (parent[:4, :96, :128].contiguous(), parent[1:5, 8:104, 36:164]):
+        counts = [7, 0, 19, 3]
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        x = torch.randn(31, 128, generator=g)
+        ref = torch.zeros(31, 96, dtype=torch.float64)
+        start = 0
+        for e, c in enumerate(counts):
+            ref[start : start + c] = x[start : start + c].double() @ w[e].double().t()
+            start += c
+        got = dot_bf16.gemm_f32_grouped(x, w, offs)
+        assert got.shape == (31, 96) and _close(got, ref, 128)
+        assert torch.equal(got[start:], torch.zeros(31 - start, 96))
+    with pytest.raises(RuntimeError, match="must be float32"):
+        torch.ops.star_elastic.gemm_f32(x, w[0].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="offs must rise"):
+        dot_bf16.gemm_f32_grouped(x, w, torch.tensor([4, 2, 6, 8], dtype=torch.int32))
+
+
+@torch.no_grad()
+def test_a_compiled_float32_step_of_several_rows_calls_the_float32_operators(monkeypatch):
+    """Three float32 rows through the several-rows graph: projections and the grouped routed experts take the
+    float32 operators; logits hold to the eager steps and to the same graph on the library GEMMs and the dense
+    pass over every expert (the reference they replace); then five rows through the same graph."""
+    model = _model({})
+    plan = DecodePlan(model, compiled=True)
+    plan.compiled.one_row = False  # several rows only
+    eager = DecodePlan(model)
+    ids = _ids(12, seed=13, rows=3)
+    out = model(ids[:, :8], use_cache=True)
+    for t in range(8, 11):
+        tok = ids[:, t : t + 1]
+        called = _called_operators(plan, tok, clone_cache(out.cache))
+        assert step_functions.F32_ROWS
+        assert {"star_elastic::gemm_f32", "star_elastic::gemm_f32_grouped"} <= called
+        fast = plan(tok, clone_cache(out.cache)).logits
+        monkeypatch.setattr(step_functions, "F32_ROWS", False)
+        assert not _called_operators(plan, tok, clone_cache(out.cache)) & {"star_elastic::gemm_f32"}
+        library = plan(tok, clone_cache(out.cache)).logits
+        monkeypatch.setattr(step_functions, "F32_ROWS", True)
+        ref = eager(tok, clone_cache(out.cache)).logits
+        assert (fast - ref).abs().max().item() <= 1e-4
+        assert (fast - library).abs().max().item() <= 1e-4
+        out = model(tok, cache=out.cache)
+    ids = _ids(10, seed=14, rows=5)
+    out = model(ids[:, :8], use_cache=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        fast = plan(ids[:, 8:9], clone_cache(out.cache)).logits
+    assert (fast - eager(ids[:, 8:9], clone_cache(out.cache)).logits).abs().max().item() <= 1e-4
+
+
+def test_the_float32_switch_says_why_it_is_off(monkeypatch):
+    monkeypatch.setenv(dot_bf16.F32_ROWS_SWITCH_ENV, "0")
+    assert not dot_bf16.f32_rows_available()
+    assert dot_bf16.f32_rows_unavailable_reason() == f"switched off ({dot_bf16.F32_ROWS_SWITCH_ENV}=0)"
+
+
 # ---------------------------------------------------------------------- the greedy pick
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_picks_what_torch_argmax_picks(dtype):
