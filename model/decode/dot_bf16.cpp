@@ -1,5 +1,6 @@
 // bfloat16 projections on the CPU's bfloat16 instructions: one row on the dot-product instruction (AVX512_BF16
 // `vdpbf16ps`), several rows on AMX tiles (`tdpbf16ps`) where the CPU has them.
+// Float32 projections of several rows on the same dot-product tiles with fused multiply-adds (AVX-512F).
 //
 // Registered as operators of the `star_elastic` library so that a compiled decode step calls them from its
 // C++ wrapper through the dispatcher, with no interpreter between them (model/decode/dot_bf16.py builds this

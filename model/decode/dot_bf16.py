@@ -17,6 +17,11 @@ weight once as it is, 16 weight rows at a time as an AMX tile, against the rows 
 fall back to the dot-product loop, which only pays up to ~4 rows, so the several-rows step uses them only
 where AMX runs (:func:`rows_available`).
 
+Float32 weights of several rows take the same dot-product tiles in float32 (:func:`gemm_f32`,
+:func:`gemm_f32_grouped`: fused multiply-adds, any row stride), where the library's float32 GEMM read the
+budget views' weights at 6-10 GB/s and the graph ran float32 routed experts as a dense pass over every expert:
+1.3-1.6x per 4- and 16-row step (RESULTS.md); ``STAR_ELASTIC_F32_ROWS=0`` switches them off.
+
 The kernels (``dot_bf16.cpp``, beside this file) are operators of the ``star_elastic`` library, built with
 the C++ compiler inductor already needs (``torch.utils.cpp_extension``, into ``$STAR_ELASTIC_CACHE/ext``, so
 a later process loads the built library) and called from the compiled step's C++ wrapper through the
