@@ -26,7 +26,7 @@ from torch import Tensor
 
 from model.decode import dot_bf16
 from model.mamba import conv_step
-from model.moe import dense_experts, route, router_scores
+from model.moe import dense_experts, route
 from model.ssd import ssd_step
 
 F32 = torch.float32
@@ -254,26 +254,46 @@ def moe_rows(
     pass (:func:`~model.moe.dense_experts`): the library grouped GEMM's shape function, which tracing runs,
     takes bfloat16 / float16 only."""
     top_k, renormalise, scaling = routing
-    scores = router_scores(h, gate)  # (rows, E)
+    # the router's (rows, hidden) x (hidden, E) as a product and a sum, generated into the norm's loop (a library
+    # GEMM of this size costs ~20 us a layer in calls); float32 as router_scores computes it
+    scores = torch.sigmoid((h.to(F32)[:, None, :] * gate.to(F32)).sum(-1))  # (rows, E)
     idx, w = route(scores, score_bias, top_k, renormalise, scaling, in_order=False)  # (rows, k)
     if up.dtype in (torch.bfloat16, torch.float16) or (f32_rows_weight(up) and f32_rows_weight(down)):
         return moe_grouped_rows(h, base, idx, w, up, down)
     return dense_experts(h.to(up.dtype), idx, w, up, down, base)
 
 
+def expert_order(flat: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The (row, expert) assignments flat (N,) int64 sorted by expert, stably (``flat.argsort(stable=True)``):
+    -> order (N,) (the assignment at each sorted place), back (N,) (each assignment's sorted place, order's
+    inverse), offs (E,) int32 (cumulative counts, ``F.grouped_mm``'s offsets).
+
+    Written as comparisons and sums (an assignment's place is the number of assignments to lower experts plus
+    the earlier ones to its own), which inductor generates as a few small loops: N is rows * k (tens), and the
+    library's sort, cumulative sum and scatters cost ~10 us a call each, a dozen calls a MoE layer."""
+    n = flat.shape[0]
+    ids = torch.arange(n, device=flat.device)
+    same = flat[None, :] == flat[:, None]  # (N, N)
+    earlier = (same & (ids[None, :] < ids[:, None])).sum(1)  # same-expert assignments before each
+    lower = (flat[None, :] < flat[:, None]).sum(1)  # assignments to lower experts
+    back = lower + earlier  # (N,)
+    order = torch.empty_like(back).scatter_(0, back, ids)
+    experts_ids = torch.arange(experts, device=flat.device)
+    offs = (flat[None, :] <= experts_ids[:, None]).sum(1).to(torch.int32)  # (E,): assignments to experts <= e
+    return order, back, offs
+
+
 def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """:class:`~model.moe.Experts`' grouped path (:meth:`MoEStep.rows <model.decode.layers.MoEStep.rows>`): the
-    (row, expert) assignments idx / w (rows, k) sorted by expert (stably), each expert's slice through one
-    grouped GEMM per projection (``F.grouped_mm``, or the AMX operator :func:`~model.decode.dot_bf16.gemm_grouped`
-    where :func:`amx_weight`: the offsets are data, every shape static in rows * k), the
-    outputs put back in (row, k) order, scaled by their routing weights and summed per row (a gather and a sum,
-    which inductor generates, where the eager path's ``index_add`` would leave the graph's C++ wrapper for a
-    Python fallback). Only the selected experts' work is done."""
+    (row, expert) assignments idx / w (rows, k) sorted by expert (stably, :func:`expert_order`), each expert's
+    slice through one grouped GEMM per projection (``F.grouped_mm``, or the operators
+    :func:`~model.decode.dot_bf16.gemm_grouped` where :func:`amx_weight` and
+    :func:`~model.decode.dot_bf16.gemm_f32_grouped` where :func:`f32_rows_weight`: the offsets are data, every
+    shape static in rows * k), the outputs put back in (row, k) order, scaled by their routing weights and
+    summed per row (a gather and a sum, which inductor generates, where the eager path's ``index_add`` would
+    leave the graph's C++ wrapper for a Python fallback). Only the selected experts' work is done."""
     e, top_k = up.shape[0], idx.shape[1]
-    flat = idx.reshape(-1)  # (rows * k,)
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(e, dtype=flat.dtype, device=flat.device).scatter_add(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)
+    order, back, offs = expert_order(idx.reshape(-1), e)
     token = order // top_k
     hs = h.to(up.dtype)[token]  # (rows * k, hidden), sorted by expert
     if amx_weight(up) and amx_weight(down):  # the AMX operators (float32 out, rounded as the GEMM rounds)
@@ -285,7 +305,6 @@ def moe_grouped_rows(h: Tensor, base: Tensor, idx: Tensor, w: Tensor, up: Tensor
     else:
         act = torch.relu(F.grouped_mm(hs, up.transpose(1, 2), offs=offs)).square()
         ys = F.grouped_mm(act, down.transpose(1, 2), offs=offs)
-    back = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
     ys = ys[back].view(h.shape[0], top_k, ys.shape[-1])  # (rows, k, hidden), each row's experts in idx order
     return base + (ys * w.to(ys.dtype)[..., None]).sum(1)
 
@@ -390,6 +409,7 @@ __all__ = [
     "Projection",
     "attend",
     "attention_in",
+    "expert_order",
     "gemv",
     "head_step",
     "mamba_step",

@@ -292,3 +292,21 @@ def test_warm_says_so_when_nothing_can_run_compiled():
         assert "cannot run here" in plan.compile_summary()
     finally:
         handle.remove()
+
+
+def test_expert_order_is_a_stable_sort_by_expert():
+    """The in-graph ordering of (row, expert) assignments against ``argsort(stable=True)``, its inverse and the
+    grouped GEMM's cumulative offsets, on ties, unused experts and a single expert."""
+    from model.decode.step_functions import expert_order
+
+    g = torch.Generator().manual_seed(5)
+    for flat, experts in (
+        (torch.randint(0, 8, (32,), generator=g), 8),
+        (torch.tensor([3, 3, 0, 3, 1, 0]), 6),
+        (torch.zeros(5, dtype=torch.long), 1),
+    ):
+        order, back, offs = expert_order(flat, experts)
+        assert torch.equal(order, flat.argsort(stable=True))
+        assert torch.equal(back[order], torch.arange(flat.shape[0]))
+        counts = torch.bincount(flat, minlength=experts)
+        assert torch.equal(offs, counts.cumsum(0).to(torch.int32))
