@@ -1,4 +1,4 @@
-"""bfloat16 projections of a few rows: the AMX operator against the library GEMM, per shape and row count.
+"""Projections of a few rows: the several-rows operators against the library GEMM, per shape and row count.
 
 A decode step of a batch multiplies a few rows (one per stream) by every weight. ``F.linear`` in bfloat16 (the
 library GEMM the several-rows step used) and ``star_elastic::gemm_bf16`` (:mod:`model.decode.dot_bf16`: AMX
@@ -8,12 +8,17 @@ shapes, at 2-64 rows, alternating in every round:
 - ``hot``: one weight, multiplied again and again (it stays in the cache where it fits);
 - ``cold``: as many distinct weights as fill ~400 MB, each multiplied once per pass (every one from memory).
 
+``--dtype float32`` times ``star_elastic::gemm_f32`` (the float32 dot-product tiles) against ``F.linear`` in
+float32 instead, on the same shapes plus the medium budget's LM head as a budget view holds it (640 of the
+parent's 768 columns: rows 768 apart).
+
 Prints each case's median time, the weight bytes read per second and linear / operator (above 1: the operator
 is faster); then the greedy pick over the family's 49,152-token vocabulary at 1 and 16 rows: torch's argmax
 (bfloat16 cast to float32 first, as ``greedy_tokens`` did) against ``star_elastic::argmax_rows``. Also the
 GEMV read bandwidth of the machine measured in the same run (bench_budget_decode's)::
 
     python benchmarks/bench_gemm_bf16.py --threads 2 --json runs/bench_gemm_bf16.json
+    python benchmarks/bench_gemm_bf16.py --threads 2 --dtype float32 --json runs/bench_gemm_f32.json
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ from benchmarks.bench_budget_decode import bandwidth  # noqa: E402
 from benchmarks.common import format_table, machine_info, save_json, set_threads  # noqa: E402
 from model.decode import dot_bf16  # noqa: E402
 
-SHAPES = {  # (out, in) of the ~115M family's projections (bench_peers' parent and its small budget)
-    "Mamba in_proj, full": (1288, 768),
-    "Mamba in_proj, small": (772, 512),
-    "Mamba out_proj, full": (768, 512),
-    "LM head, small": (49152, 512),
+SHAPES = {  # (out, in, the parent's in) of the ~115M family's projections (bench_peers' parent, its budgets)
+    "Mamba in_proj, full": (1288, 768, 768),
+    "Mamba in_proj, small": (772, 512, 512),
+    "Mamba out_proj, full": (768, 512, 512),
+    "LM head, small": (49152, 512, 512),
 }
+VIEW_SHAPES = {"LM head, medium (a view)": (49152, 640, 768)}  # float32 only: the first 640 of 768 columns
 
 
 def median_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, rounds: int) -> float:
@@ -57,20 +63,23 @@ def median_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, rounds: int
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows_out = []
-    for label, (out, inputs) in SHAPES.items():
-        nbytes = out * inputs * 2
+    dtype = getattr(torch, args.dtype)
+    operator = dot_bf16.gemm_f32 if dtype == torch.float32 else dot_bf16.gemm
+    shapes = {**SHAPES, **(VIEW_SHAPES if dtype == torch.float32 else {})}
+    for label, (out, inputs, parent_in) in shapes.items():
+        nbytes = out * inputs * dtype.itemsize
         for mode in args.modes:
-            count = 1 if mode == "hot" else max(1, (args.cold_mb << 20) // nbytes)
-            weights = [torch.randn(out, inputs).to(torch.bfloat16) for _ in range(count)]
+            count = 1 if mode == "hot" else max(1, (args.cold_mb << 20) // (out * parent_in * dtype.itemsize))
+            weights = [torch.randn(out, parent_in).to(dtype)[:, :inputs] for _ in range(count)]
             reps = max(1, 20 // count)
             for m in args.rows:
-                x = torch.randn(m, inputs).to(torch.bfloat16)
+                x = torch.randn(m, inputs).to(dtype)
                 linear = lambda x, w: F.linear(x, w)  # noqa: E731
-                for fn in (linear, dot_bf16.gemm):  # warm both (allocator, operator's first call)
+                for fn in (linear, operator):  # warm both (allocator, operator's first call)
                     fn(x, weights[0])
                 ts: dict[str, list[float]] = {"linear": [], "operator": []}
                 for r in range(args.rounds):  # alternate, the order reversed every other round
-                    order = [("linear", linear), ("operator", dot_bf16.gemm)]
+                    order = [("linear", linear), ("operator", operator)]
                     for name, fn in order if r % 2 == 0 else order[::-1]:
                         ts[name].append(median_seconds(fn, weights * reps, x, 1))
                 lin, op = statistics.median(ts["linear"]), statistics.median(ts["operator"])
@@ -111,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="hot,cold", help="hot, cold or both")
     p.add_argument("--cold-mb", type=int, default=400, help="weights per cold pass (MB)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.rows = [int(r) for r in args.rows.split(",")]
@@ -121,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     amx = dot_bf16.rows_available()
     load = os.getloadavg()
     bw = bandwidth(args.threads)
-    print(f"load average {load[0]:.2f}; GEMV read {bw['read_gbs']:.1f} GB/s; operator on "
-          f"{'AMX tiles' if amx else 'the dot-product loop: ' + str(dot_bf16.rows_unavailable_reason())}")  # fmt: skip
+    kernel = "AMX tiles" if amx else f"the dot-product loop: {dot_bf16.rows_unavailable_reason()}"
+    kernel = "float32 dot-product tiles (gemm_f32)" if args.dtype == "float32" else kernel
+    print(f"load average {load[0]:.2f}; GEMV read {bw['read_gbs']:.1f} GB/s; operator on {kernel}")
     results = run(args)
     headers = ["shape (out x in)", "mode", "rows", "linear us", "GB/s", "operator us", "GB/s", "linear / operator"]
     body = [[f"{r['shape']} ({r['out']} x {r['in']})", r["mode"], r["rows"], f"{r['linear_us']:.1f}",
@@ -137,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the end {end:.2f} (with this benchmark's own threads)")
     if args.json:
         save_json(args.json, {"machine": machine_info(args.threads), "load_average": load, "load_end": end,
-                              "bandwidth": bw, "amx": amx, "rows": results, "greedy_picks": picks})  # fmt: skip
+                              "bandwidth": bw, "amx": amx, "dtype": args.dtype, "rows": results,
+                              "greedy_picks": picks})  # fmt: skip
     return 0
 
 
