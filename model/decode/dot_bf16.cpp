@@ -147,8 +147,8 @@ STAR_ELASTIC_BF16_TARGET inline void dot_tile(const float* x, int64_t x_stride, 
 
 template <int ROWS, typename T>
 STAR_ELASTIC_BF16_TARGET void dot_rows_tiles(const T* x, int64_t x_stride, int64_t m, const T* w,
-                                               int64_t row_stride, int64_t n, float* out, int64_t x_step,
-                                               int64_t row_step) {
+                                             int64_t row_stride, int64_t n, float* out, int64_t x_step,
+                                             int64_t row_step) {
   int64_t i = 0;
   for (; i + 4 <= m; i += 4) dot_tile<ROWS, 4>(x + i * x_stride, x_stride, w, row_stride, n, out + i * x_step, x_step, row_step);
   switch (m - i) {
@@ -160,30 +160,15 @@ STAR_ELASTIC_BF16_TARGET void dot_rows_tiles(const T* x, int64_t x_stride, int64
 }
 
 // `rows` (1-4) weight rows against m rows of x; prefetches `rows` rows from `ahead` first when it is not null.
-STAR_ELASTIC_BF16_TARGET void dot_block(const uint16_t* x, int64_t x_stride, int64_t m, const uint16_t* w,
-                                        int64_t row_stride, int64_t rows, int64_t n, float* out, int64_t x_step,
-                                        int64_t row_step, const uint16_t* ahead) {
+// T is uint16_t (bfloat16) or float.
+template <typename T>
+STAR_ELASTIC_BF16_TARGET void dot_block(const T* x, int64_t x_stride, int64_t m, const T* w, int64_t row_stride,
+                                        int64_t rows, int64_t n, float* out, int64_t x_step, int64_t row_step,
+                                        const T* ahead) {
   if (ahead != nullptr) {
     for (int64_t r = 0; r < rows; ++r) {
       const char* row = reinterpret_cast<const char*>(ahead + r * row_stride);
-      for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
-  }
-  switch (rows) {
-    case 4: return dot_rows_tiles<4>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
-    case 3: return dot_rows_tiles<3>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
-    case 2: return dot_rows_tiles<2>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
-    default: return dot_rows_tiles<1>(x, x_stride, m, w, row_stride, n, out, x_step, row_step);
-  }
-}
-
-STAR_ELASTIC_BF16_TARGET void dot_block(const float* x, int64_t x_stride, int64_t m, const float* w,
-                                        int64_t row_stride, int64_t rows, int64_t n, float* out, int64_t x_step,
-                                        int64_t row_step, const float* ahead) {
-  if (ahead != nullptr) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const char* row = reinterpret_cast<const char*>(ahead + r * row_stride);
-      for (int64_t b = 0; b < n * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
     }
   }
   switch (rows) {
@@ -194,13 +179,9 @@ STAR_ELASTIC_BF16_TARGET void dot_block(const float* x, int64_t x_stride, int64_
   }
 }
 #else
-void dot_block(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, float*, int64_t,
-               int64_t, const uint16_t*) {
-  TORCH_CHECK(false, "gemm_bf16: this CPU has no bfloat16 dot-product instruction (AVX512_BF16)");
-}
-void dot_block(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t, int64_t,
-               const float*) {
-  TORCH_CHECK(false, "gemm_f32: this CPU has no AVX-512");
+template <typename T>
+void dot_block(const T*, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, float*, int64_t, int64_t, const T*) {
+  TORCH_CHECK(false, "this CPU has no AVX512_BF16 (the dot-product operators' requirement)");
 }
 #endif
 

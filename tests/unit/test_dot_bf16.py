@@ -211,40 +211,47 @@ def test_bad_groups_get_errors_that_name_the_problem():
         dot_bf16.gemm(x[0], w[0])
 
 
-@torch.no_grad()
-def test_a_compiled_bfloat16_step_of_several_rows_calls_the_amx_operators(monkeypatch):
-    """Three rows through the several-rows graph: its projections and its grouped experts take the operators
-    (where this machine has AMX tiles), and its logits hold to the eager steps' rounding and to the same graph
-    on the library GEMMs (the reference they replace). Then five rows run the same graph (the row count stays
-    dynamic through the operators' shapes)."""
-    if not dot_bf16.rows_available():
-        pytest.skip(f"AMX operators unavailable: {dot_bf16.rows_unavailable_reason()}")
-    model = _model({}).to(torch.bfloat16)
+def _several_rows_against_references(
+    model, flag: str, operators: set[str], seeds: tuple[int, int], tol: float, monkeypatch
+) -> None:
+    """Three rows through the several-rows graph of ``model``: the step calls ``operators`` (profiler events) with
+    ``step_functions.<flag>`` on and none of them with it off, and its logits hold (within ``tol``) to the eager
+    steps and to the same graph with the flag off (the reference the operators replace). Then five rows run
+    the same graph under ``fail_on_recompile`` (the row count stays dynamic through the operators' shapes)."""
     plan = DecodePlan(model, compiled=True)
     plan.compiled.one_row = False  # several rows only
     eager = DecodePlan(model)
-    ids = _ids(12, seed=11, rows=3)
+    ids = _ids(12, seed=seeds[0], rows=3)
     out = model(ids[:, :8], use_cache=True)
     for t in range(8, 11):
         tok = ids[:, t : t + 1]
         called = _called_operators(plan, tok, clone_cache(out.cache))
-        assert step_functions.AMX_BF16
-        assert {"star_elastic::gemm_bf16", "star_elastic::gemm_bf16_grouped"} <= called
+        assert getattr(step_functions, flag)
+        assert operators <= called
         fast = plan(tok, clone_cache(out.cache)).logits.float()
-        monkeypatch.setattr(step_functions, "AMX_BF16", False)
-        assert not _called_operators(plan, tok, clone_cache(out.cache)) & {"star_elastic::gemm_bf16"}
+        monkeypatch.setattr(step_functions, flag, False)
+        assert not _called_operators(plan, tok, clone_cache(out.cache)) & operators
         library = plan(tok, clone_cache(out.cache)).logits.float()
-        monkeypatch.setattr(step_functions, "AMX_BF16", True)
+        monkeypatch.setattr(step_functions, flag, True)
         ref = eager(tok, clone_cache(out.cache)).logits.float()
-        assert (fast - ref).abs().max().item() <= 2e-2
-        assert (fast - library).abs().max().item() <= 2e-2
+        assert (fast - ref).abs().max().item() <= tol
+        assert (fast - library).abs().max().item() <= tol
         out = model(tok, cache=out.cache)
-    ids = _ids(10, seed=12, rows=5)
+    ids = _ids(10, seed=seeds[1], rows=5)
     out = model(ids[:, :8], use_cache=True)
     with torch.compiler.set_stance("fail_on_recompile"):
         fast = plan(ids[:, 8:9], clone_cache(out.cache)).logits.float()
-    ref = eager(ids[:, 8:9], clone_cache(out.cache)).logits.float()
-    assert (fast - ref).abs().max().item() <= 2e-2
+    assert (fast - eager(ids[:, 8:9], clone_cache(out.cache)).logits.float()).abs().max().item() <= tol
+
+
+@torch.no_grad()
+def test_a_compiled_bfloat16_step_of_several_rows_calls_the_amx_operators(monkeypatch):
+    """Projections and grouped experts on the AMX operators (where this machine has AMX tiles), against the eager
+    steps' rounding and the library GEMMs."""
+    if not dot_bf16.rows_available():
+        pytest.skip(f"AMX operators unavailable: {dot_bf16.rows_unavailable_reason()}")
+    operators = {"star_elastic::gemm_bf16", "star_elastic::gemm_bf16_grouped"}
+    _several_rows_against_references(_model({}).to(torch.bfloat16), "AMX_BF16", operators, (11, 12), 2e-2, monkeypatch)
 
 
 def test_the_amx_switch_says_why_it_is_off(monkeypatch):
@@ -303,34 +310,10 @@ def test_gemm_f32_grouped_takes_each_experts_rows_by_their_offsets():
 
 @torch.no_grad()
 def test_a_compiled_float32_step_of_several_rows_calls_the_float32_operators(monkeypatch):
-    """Three float32 rows through the several-rows graph: projections and the grouped routed experts take the
-    float32 operators; logits hold to the eager steps and to the same graph on the library GEMMs and the dense
-    pass over every expert (the reference they replace); then five rows through the same graph."""
-    model = _model({})
-    plan = DecodePlan(model, compiled=True)
-    plan.compiled.one_row = False  # several rows only
-    eager = DecodePlan(model)
-    ids = _ids(12, seed=13, rows=3)
-    out = model(ids[:, :8], use_cache=True)
-    for t in range(8, 11):
-        tok = ids[:, t : t + 1]
-        called = _called_operators(plan, tok, clone_cache(out.cache))
-        assert step_functions.F32_ROWS
-        assert {"star_elastic::gemm_f32", "star_elastic::gemm_f32_grouped"} <= called
-        fast = plan(tok, clone_cache(out.cache)).logits
-        monkeypatch.setattr(step_functions, "F32_ROWS", False)
-        assert not _called_operators(plan, tok, clone_cache(out.cache)) & {"star_elastic::gemm_f32"}
-        library = plan(tok, clone_cache(out.cache)).logits
-        monkeypatch.setattr(step_functions, "F32_ROWS", True)
-        ref = eager(tok, clone_cache(out.cache)).logits
-        assert (fast - ref).abs().max().item() <= 1e-4
-        assert (fast - library).abs().max().item() <= 1e-4
-        out = model(tok, cache=out.cache)
-    ids = _ids(10, seed=14, rows=5)
-    out = model(ids[:, :8], use_cache=True)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        fast = plan(ids[:, 8:9], clone_cache(out.cache)).logits
-    assert (fast - eager(ids[:, 8:9], clone_cache(out.cache)).logits).abs().max().item() <= 1e-4
+    """Float32 projections and grouped routed experts on the float32 operators, against the eager steps and the
+    same graph on the library GEMMs and the dense pass over every expert."""
+    operators = {"star_elastic::gemm_f32", "star_elastic::gemm_f32_grouped"}
+    _several_rows_against_references(_model({}), "F32_ROWS", operators, (13, 14), 1e-4, monkeypatch)
 
 
 def test_the_float32_switch_says_why_it_is_off(monkeypatch):
